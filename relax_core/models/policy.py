@@ -1,0 +1,115 @@
+"""Preparing and loading the starting policy: tiny model + warm start, or a pretrained chat model.
+
+A prepared policy is an ordinary HF model directory (safetensors + tokenizer), cached under a key
+derived from everything that determines it, so a rerun (or a Flyte cache miss) reuses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from relax_core.config import DataConfig, ModelConfig, RunConfig, WarmStartConfig
+
+MARKER = "PREPARED.json"
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """Everything that determines the starting weights, and nothing else (the cache key)."""
+
+    model: ModelConfig
+    warm_start: WarmStartConfig
+    data: DataConfig
+    seed: int
+    data_fingerprint: str = ""
+
+    @classmethod
+    def of(cls, cfg: RunConfig, data_fingerprint: str = "") -> PolicySpec:
+        return cls(cfg.model, cfg.warm_start, cfg.data, cfg.seed, data_fingerprint)
+
+    def key(self) -> str:
+        parts: dict[str, object] = {
+            "model": dataclasses.asdict(self.model),
+            "warm_start": dataclasses.asdict(self.warm_start),
+            "seed": self.seed,
+        }
+        if self.warm_start.steps > 0:
+            d = self.data
+            parts["data"] = [d.train_path, d.template, d.system_prompt, self.data_fingerprint]
+        digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+        name = "tiny" if self.model.kind == "tiny-qwen3" else "pretrained"
+        return f"{name}-{digest}"
+
+
+def load_policy(directory: str, dtype: str = "float32"):
+    """(model, tokenizer) from a prepared policy or checkpoint directory."""
+    hf_logging.disable_progress_bar()  # a weight-loading bar per node drowns the run's own bar
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype))
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return model, tokenizer
+
+
+def prepare_policy(spec: PolicySpec, cache_dir: str) -> str:
+    """Absolute directory of the starting policy for `spec`, built once and then reused."""
+    target = os.path.abspath(os.path.join(cache_dir, spec.key()))
+    if os.path.isfile(os.path.join(target, MARKER)):
+        return target
+    model, tokenizer = _base_model(spec, cache_dir)
+    info: dict[str, object] = {"key": spec.key()}
+    if spec.warm_start.steps > 0:
+        info["warm_start_loss"] = _run_warm_start(spec, model, tokenizer)
+    staging = f"{target}.tmp-{uuid.uuid4().hex}"
+    os.makedirs(staging)
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        with open(os.path.join(staging, MARKER), "w") as f:
+            json.dump(info, f)
+        if os.path.isdir(target):
+            shutil.rmtree(target)
+        os.rename(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _base_model(spec: PolicySpec, cache_dir: str):
+    if spec.model.kind == "tiny-qwen3":
+        from relax_core.models.tiny import build_char_tokenizer, build_tiny_qwen3
+
+        tokenizer = build_char_tokenizer()
+        return build_tiny_qwen3(spec.model, len(tokenizer), spec.seed), tokenizer
+    from relax_core.models.pretrained import materialize
+
+    directory = materialize(spec.model.source, os.path.join(cache_dir, "hf"))
+    return load_policy(directory, spec.model.dtype)
+
+
+def _run_warm_start(cfg: PolicySpec, model, tokenizer) -> list[float]:
+    from relax_core.data.dataset import load_prompts
+    from relax_core.data.templates import render_prompt
+    from relax_core.train.warm_start import warm_start
+
+    rows = load_prompts(cfg.data.train_path)
+    system = cfg.data.system_prompt or None
+    examples = []
+    for row in rows:
+        text = render_prompt(row["prompt"], cfg.data.template, tokenizer, system)
+        examples.append((tokenizer(text, add_special_tokens=False)["input_ids"], row["answer"]))
+    w = cfg.warm_start
+    losses = warm_start(model, tokenizer, examples, w.steps, w.lr, w.batch_size, cfg.seed)
+    return [round(x, 4) for x in losses[:: max(1, len(losses) // 20)]]

@@ -1,0 +1,187 @@
+"""A thin object-storage layer over fsspec with the two write modes the commit log needs.
+
+`create_if_absent` is the commit primitive: exactly one of several racing writers wins a path.
+On local disk that is a hard link of a fully written, fsynced temp file (link(2) refuses an
+existing target atomically, so a reader never sees a partial record). On object stores it is a
+conditional put (`If-None-Match: *` on S3), whose failure surfaces as FileExistsError or as an
+OSError carrying HTTP 412 depending on the client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import uuid
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+_TMP_PREFIX = ".tmp-"
+
+
+def _is_precondition_failed(err: OSError) -> bool:
+    """Whether `err` is a refused conditional write (HTTP 412) rather than a real failure."""
+    text = " ".join(str(a) for a in (err, *err.args))
+    return "412" in text or "PreconditionFailed" in text or "Precondition Failed" in text
+
+
+class ObjectStore:
+    """Bytes under one root (a local directory or an fsspec URL), addressed by relative paths."""
+
+    def __init__(
+        self, root: str, storage_options: dict[str, Any] | None = None, durable: bool = True
+    ) -> None:
+        """`durable=False` skips fsync on local disk: writes still survive a crash of the
+        process (the page cache outlives it) but not of the machine."""
+        if not root:
+            raise ValueError("storage root is empty; give a directory or a URL such as s3://b/p")
+        self.fs, self.root = fsspec.core.url_to_fs(root, **(storage_options or {}))
+        self.root = self.root.rstrip("/") or "/"
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+        self.durable = durable
+        self._made_dirs: set[str] = set()
+
+    def full_path(self, path: str) -> str:
+        """The filesystem path of `path` (relative to the root), for error messages and fsspec."""
+        return posixpath.join(self.root, path)
+
+    def url(self, path: str) -> str:
+        """`path` as a URL a person can paste (protocol included for remote stores)."""
+        return self.fs.unstrip_protocol(self.full_path(path))
+
+    def create_if_absent(self, path: str, data: bytes) -> bool:
+        """Write `data` at `path` only if nothing is there; True if this call created it."""
+        full = self.full_path(path)
+        if self.is_local:
+            return self._local_create_if_absent(full, data)
+        try:
+            with self.fs.open(full, "xb") as f:
+                f.write(data)
+        except FileExistsError:
+            return False
+        except OSError as err:
+            if _is_precondition_failed(err):
+                return False
+            raise
+        return True
+
+    def write_immutable(self, path: str, data: bytes) -> None:
+        """Write a payload that is never rewritten; readers see all of it or nothing."""
+        full = self.full_path(path)
+        if self.is_local:
+            tmp = self._local_write_tmp(full, data)
+            os.replace(tmp, full)
+            self._fsync_dir(posixpath.dirname(full))
+        else:
+            self.fs.pipe_file(full, data)
+
+    def write_replace(self, path: str, data: bytes) -> None:
+        """Write or overwrite `path` atomically (for small status objects such as heartbeats)."""
+        full = self.full_path(path)
+        if self.is_local:
+            os.replace(self._local_write_tmp(full, data, fsync=False), full)
+        else:
+            self.fs.pipe_file(full, data)
+
+    def read_bytes(self, path: str) -> bytes:
+        """All bytes at `path`; FileNotFoundError naming the path if it is absent."""
+        full = self.full_path(path)
+        try:
+            if self.is_local:
+                with open(full, "rb") as f:
+                    return f.read()
+            return self.fs.cat_file(full)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"no object at {self.url(path)}") from err
+
+    def list_dir(self, prefix: str) -> list[str]:
+        """Sorted names directly under `prefix` (not paths); [] if it does not exist.
+
+        Listings are never served from fsspec's cache: a stale listing would hide commits.
+        """
+        full = self.full_path(prefix)
+        if self.is_local:
+            try:
+                names = os.listdir(full)
+            except FileNotFoundError:
+                return []
+            return sorted(n for n in names if not n.startswith(_TMP_PREFIX))
+        self.fs.invalidate_cache(full)
+        try:
+            entries = self.fs.ls(full, detail=False)
+        except FileNotFoundError:
+            return []
+        names = (posixpath.basename(e.rstrip("/")) for e in entries)
+        return sorted(n for n in names if n and not n.startswith(_TMP_PREFIX))
+
+    def exists(self, path: str) -> bool:
+        full = self.full_path(path)
+        if self.is_local:
+            return os.path.exists(full)
+        self.fs.invalidate_cache(posixpath.dirname(full))
+        return self.fs.exists(full)
+
+    def delete(self, path: str) -> None:
+        """Remove `path` if present (used for probe objects only; payloads are never deleted here)."""
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self.full_path(path))
+
+    def _ensure_dir(self, directory: str) -> None:
+        if directory not in self._made_dirs:
+            os.makedirs(directory, exist_ok=True)
+            self._made_dirs.add(directory)
+
+    def _local_write_tmp(self, full: str, data: bytes, fsync: bool = True) -> str:
+        directory, name = posixpath.split(full)
+        self._ensure_dir(directory)
+        tmp = posixpath.join(directory, f"{_TMP_PREFIX}{name}-{uuid.uuid4().hex}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if fsync and self.durable:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        return tmp
+
+    def _local_create_if_absent(self, full: str, data: bytes) -> bool:
+        tmp = self._local_write_tmp(full, data)
+        try:
+            os.link(tmp, full)
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+        self._fsync_dir(posixpath.dirname(full))
+        return True
+
+    def _fsync_dir(self, directory: str) -> None:
+        # A new directory entry is only durable once the directory itself is fsynced.
+        if not self.durable:
+            return
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def probe_create_if_absent(store: ObjectStore, path: str) -> bool:
+    """Whether `store` refuses a second create of the same path (False: the condition is ignored).
+
+    Storage that ignores the condition would let two writers overwrite one commit record, so
+    multi-writer commits must not run on it.
+    """
+    try:
+        first = store.create_if_absent(path, b"probe-1")
+        second = store.create_if_absent(path, b"probe-2")
+    finally:
+        store.delete(path)
+    return first and not second

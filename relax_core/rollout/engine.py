@@ -1,0 +1,62 @@
+"""The RolloutEngine protocol: what the rollout role needs from any generation engine.
+
+Implementations: `TorchEngine` (HF transformers model in process; CPU default and tests). Engines
+generate from token ids and return token ids, so the tokenizer and chat template stay in one place
+(the rollout role) whatever serves the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    """Generation budget; a response that reaches it ends with finish_reason 'length'."""
+    temperature: float = 1.0
+    """Logits are divided by this before sampling; log-probs are of the scaled distribution."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    greedy: bool = False
+    """Take the arg-max token (evaluation); log-probs are still reported."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    response_ids: list[int]
+    """Generated token ids, including the EOS token when generation stopped on it."""
+    logprobs: list[float]
+    """Log-probability of each generated token under the sampling distribution."""
+    finish_reason: str
+    """'stop' (EOS), 'length' (budget reached) or 'abort'."""
+    policy_version: int
+    """Version of the weights that generated every token of this completion."""
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """One completion per prompt, in order."""
+        ...
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        """Load new weights (all or a bucket of them); the version applies once all are in."""
+        ...
+
+    def pause(self) -> None:
+        """Stop taking new generation work (weights are about to change)."""
+        ...
+
+    def resume(self) -> None:
+        """Take generation work again."""
+        ...
+
+    def health(self) -> dict[str, object]:
+        """Liveness and the policy version served."""
+        ...

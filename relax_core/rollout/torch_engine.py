@@ -1,0 +1,124 @@
+"""Torch rollout engine: batched sampling from an HF causal LM with a KV cache, in process.
+
+Prompts are left-padded into one batch; positions count real tokens only, so a prompt's log-probs do
+not depend on what it was batched with. Rows that emit EOS stop contributing tokens but stay in the
+batch until every row is done or the budget is spent (the tiny CPU models gain nothing from
+compacting the batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from relax_core.rollout.engine import Completion, SamplingParams
+from relax_core.rollout.sampling import sample_tokens
+
+
+class TorchEngine:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        eos_token_id: int,
+        pad_token_id: int,
+        seed: int = 0,
+        max_batch_size: int = 1024,
+    ) -> None:
+        self.model = model.eval()
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.max_batch_size = max_batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.version = 0
+        self._paused = False
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if self._paused:
+            raise RuntimeError("engine is paused for a weight update; resume() before generate()")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        out: list[Completion] = []
+        for start in range(0, len(prompts), self.max_batch_size):
+            out.extend(self._generate_batch(prompts[start : start + self.max_batch_size], params))
+        return out
+
+    @torch.inference_mode()
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        tokens = torch.empty((batch, params.max_new_tokens), dtype=torch.long)
+        logprobs = torch.zeros((batch, params.max_new_tokens))
+        done = torch.zeros(batch, dtype=torch.bool)
+        lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long)
+        step_ids, step_pos = input_ids, positions
+        for t in range(params.max_new_tokens):
+            logits = self.model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=step_pos,
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
+            tok, lp = sample_tokens(
+                logits, params.temperature, params.top_p, params.greedy, self.generator
+            )
+            tok = tok.masked_fill(done, self.pad_token_id)
+            tokens[:, t], logprobs[:, t] = tok, lp
+            newly_done = ~done & (tok == self.eos_token_id)
+            lengths[newly_done] = t + 1
+            done |= newly_done
+            if bool(done.all()):
+                break
+            step_ids = tok.unsqueeze(-1)
+            step_pos = step_pos[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], dim=-1)
+        return self._completions(tokens, logprobs, lengths, done)
+
+    def _completions(
+        self,
+        tokens: torch.Tensor,
+        logprobs: torch.Tensor,
+        lengths: torch.Tensor,
+        done: torch.Tensor,
+    ) -> list[Completion]:
+        out = []
+        for row, n in enumerate(lengths.tolist()):
+            out.append(
+                Completion(
+                    response_ids=tokens[row, :n].tolist(),
+                    logprobs=logprobs[row, :n].tolist(),
+                    finish_reason="stop" if bool(done[row]) else "length",
+                    policy_version=self.version,
+                )
+            )
+        return out
+
+    # ------------------------------------------------------------------ weights and control
+    @torch.no_grad()
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        params = dict(self.model.named_parameters())
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"engine model has no parameter {name!r}")
+            params[name].copy_(tensor)
+        self.version = version
+
+    def pause(self) -> None:
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    def health(self) -> dict[str, object]:
+        return {"ok": True, "policy_version": self.version, "paused": self._paused}

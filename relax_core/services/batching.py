@@ -1,0 +1,36 @@
+"""Queue table -> token-budget micro-batches, keeping track of which rows each one holds."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from relax_core.train.batch import MicroBatch, make_micro_batch, split_by_token_budget
+
+
+def table_micro_batches(
+    table: pa.Table, pad_token_id: int, token_budget: int, extras: tuple[str, ...] = ()
+) -> list[tuple[list[int], MicroBatch]]:
+    """Split `table` into micro-batches of at most `token_budget` padded tokens.
+
+    `extras` names per-token list columns (e.g. 'advantages') carried along as [B, R] tensors.
+    Returns (row indices, micro-batch) pairs so per-row results can be put back in table order.
+    """
+    prompts = table.column("prompt_ids").to_pylist()
+    responses = table.column("response_ids").to_pylist()
+    masks = table.column("loss_mask").to_pylist()
+    extra_cols = {name: table.column(name).to_pylist() for name in extras}
+    for name, values in extra_cols.items():
+        if any(v is None for v in values):
+            raise ValueError(f"queue rows are missing column {name!r}; which role should fill it?")
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    out = []
+    for rows in split_by_token_budget(lengths, token_budget):
+        mb = make_micro_batch(
+            [prompts[i] for i in rows],
+            [responses[i] for i in rows],
+            [masks[i] for i in rows],
+            pad_token_id,
+            {name: [values[i] for i in rows] for name, values in extra_cols.items()},
+        )
+        out.append((rows, mb))
+    return out

@@ -1,0 +1,136 @@
+"""Colocate controller: strict on-policy RL (max_staleness 0), every role in one process.
+
+Per step, with policy version v:
+  PromptSource --prompts--> rollout_groups (TorchEngine, reward fn) --rows--> queue `rollout`
+  `rollout` --> add_ref_logprobs (frozen reference; only when kl_coef > 0) --> queue `ref`
+  `rollout`|`ref` --> add_advantages (group-normalized) --> queue `ready`
+  `ready` --> train_on_table (TorchBackend) --> version v+1 --InProcessSync--> TorchEngine
+Rows travel through the same TransferQueue as in async mode, so both modes share one data path.
+The controller only sequences the roles and times them; a RunSession holds the parts and the
+resumable state, and checkpoints every `checkpoint_every` steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pyarrow as pa
+
+from relax_core.queue import rows_to_table
+from relax_core.rollout.engine import SamplingParams
+from relax_core.services.advantages import add_advantages
+from relax_core.services.evaluation import evaluate
+from relax_core.services.reference import add_ref_logprobs
+from relax_core.services.rollout import rollout_groups
+from relax_core.services.session import RunSession
+from relax_core.services.trainer import train_on_table
+
+log = logging.getLogger(__name__)
+
+
+class ColocateController:
+    def __init__(self, session: RunSession) -> None:
+        self.s = session
+        r = session.cfg.rollout
+        self.params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p)
+
+    def _consume(self, stage: str) -> pa.Table:
+        """Read the next committed entry of `stage` and advance this consumer's cursor."""
+        found = self.s.queue.next(stage, self.s.state.queue_cursors[stage])
+        if found is None:
+            raise RuntimeError(f"queue stage {stage!r} has no entry after the cursor")
+        seq, table = found
+        self.s.state.queue_cursors[stage] = seq
+        return table
+
+    def step(self) -> dict[str, float]:
+        """One RL step: version v -> v+1. Returns the step's metrics."""
+        s, cfg = self.s, self.s.cfg
+        v = s.state.policy_version
+        t0 = time.perf_counter()
+        items, cursor = s.train_prompts.take(s.dataset_cursor, cfg.rollout.groups_per_step)
+        rows, metrics = rollout_groups(
+            s.engine, s.tokenizer, items, self.params, cfg.rollout.n_samples_per_prompt, s.reward_fn
+        )
+        t1 = time.perf_counter()
+        s.queue.put("rollout", rows_to_table(rows), {"policy_version": v})
+        s.state.dataset_cursor = cursor.to_dict()
+        table = self._consume("rollout")
+        t2 = time.perf_counter()
+        if s.ref_model is not None:
+            table = add_ref_logprobs(
+                s.ref_model,
+                table,
+                s.pad_token_id,
+                cfg.train.micro_batch_tokens,
+                cfg.rollout.temperature,
+            )
+            s.queue.put("ref", table, {"policy_version": v})
+            table = self._consume("ref")
+        t3 = time.perf_counter()
+        a = cfg.algorithm
+        s.queue.put(
+            "ready", add_advantages(table, a.advantage, a.normalize_adv_std), {"policy_version": v}
+        )
+        table = self._consume("ready")
+        t4 = time.perf_counter()
+        metrics.update(
+            train_on_table(s.backend, table, a, s.pad_token_id, cfg.train.micro_batch_tokens)
+        )
+        t5 = time.perf_counter()
+        s.state.policy_version = v + 1
+        s.sync.push(s.backend.named_weights(), v + 1)
+        t6 = time.perf_counter()
+        staleness = [v - b for b in table.column("behaviour_version_min").to_pylist()]
+        step_s = t6 - t0
+        metrics.update(
+            {
+                "train/staleness_mean": sum(staleness) / len(staleness),
+                "train/staleness_max": float(max(staleness)),
+                "perf/step_s": step_s,
+                "perf/rollout_s": t1 - t0,
+                "perf/ref_s": t3 - t2,
+                "perf/train_s": t5 - t4,
+                "perf/sync_s": t6 - t5,
+                "perf/queue_s": (t2 - t1) + (t4 - t3),
+                "perf/tokens_per_s": metrics["perf/generated_tokens"] / step_s,
+                "queue/orphaned_groups": float(s.state.orphaned_groups),
+            }
+        )
+        s.state.train_seconds += step_s
+        return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        s = self.s
+        return evaluate(
+            s.engine,
+            s.tokenizer,
+            s.eval_prompts,
+            s.reward_fn,
+            s.cfg.rollout.max_new_tokens,
+            s.cfg.data.eval_size,
+        )
+
+    def skip_orphans(self) -> None:
+        """Entries written after the checkpoint came from weights that were lost with the crash.
+
+        Their prompts are regenerated from the restored dataset cursor, so no prompt is skipped
+        or trained twice; the generated rows themselves are passed over and counted.
+        """
+        s = self.s
+        for stage, cursor in s.state.queue_cursors.items():
+            later = s.queue.committed(stage, cursor)
+            if later:
+                groups = sum(s.queue.record(stage, seq)["groups"] for seq in later)
+                if stage == "rollout":
+                    s.state.orphaned_groups += groups
+                log.warning(
+                    "resume at version %d: skipping %d %r entries (%d groups) written after the "
+                    "checkpoint",
+                    s.state.policy_version,
+                    len(later),
+                    stage,
+                    groups,
+                )
+                s.state.queue_cursors[stage] = later[-1]

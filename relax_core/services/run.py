@@ -1,0 +1,196 @@
+"""Run lifecycle for colocate mode: preflight -> start (eval at step 0) -> steps -> finish.
+
+These are the functions the Flyte tasks call (one per node) and the `python -m
+relax_core.services.run` CLI calls in one process. Each takes the config and a checkpoint path and
+returns a checkpoint path, so any node can be rerun or resumed from what the last one left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+from typing import Any
+
+import torch
+
+from relax_core.config import ConfigError, RunConfig, load_config
+from relax_core.services.colocate import ColocateController
+from relax_core.services.session import RunSession, RunState
+from relax_core.tracking import Monitor, ProgressBar, format_summary
+from relax_core.train import checkpoint as ckpt
+
+log = logging.getLogger(__name__)
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Checks that need the filesystem or imports; one ConfigError listing every problem."""
+    from relax_core.data.dataset import check_dataset_path
+    from relax_core.rewards import resolve_reward
+
+    problems = []
+    for name in ("train_path", "eval_path"):
+        try:
+            check_dataset_path(getattr(cfg.data, name))
+        except (OSError, ValueError) as exc:
+            problems.append(f"data.{name}: {exc}")
+    try:
+        resolve_reward(cfg.reward.name)
+    except (ValueError, TypeError) as exc:
+        problems.append(f"reward.name: {exc}")
+    if cfg.model.kind == "pretrained":
+        from relax_core.models.pretrained import resolve_source
+
+        try:
+            resolve_source(cfg.model.source)
+        except (OSError, ValueError, ImportError) as exc:
+            problems.append(f"model.source: {exc}")
+    if cfg.checkpoint.resume_from and not os.path.isfile(
+        os.path.join(cfg.checkpoint.resume_from, ckpt.STATE_FILE)
+    ):
+        problems.append(f"checkpoint.resume_from: {cfg.checkpoint.resume_from} is not a checkpoint")
+    if problems:
+        raise ConfigError("config cannot run:\n  - " + "\n  - ".join(problems))
+
+
+def _monitor(cfg: RunConfig, state: RunState) -> Monitor:
+    from relax_core.tracking import MLflowMonitor
+
+    return MLflowMonitor(
+        cfg.tracking.tracking_uri or None,
+        cfg.tracking.experiment,
+        run_name=state.run_id,
+        resume_run_id=state.tracking_run_id or None,
+    )
+
+
+def _tags(state: RunState) -> dict[str, str]:
+    tags = {"relax.run_id": state.run_id, "relax.mode": "colocate"}
+    execution = os.environ.get("FLYTE_INTERNAL_EXECUTION_ID")
+    if execution:
+        tags["flyte.execution_id"] = execution
+    return tags
+
+
+def start_run(cfg: RunConfig, policy_dir: str) -> str:
+    """Checkpoint to continue from: the one to resume, or a new run's version 0 after eval."""
+    if cfg.checkpoint.resume_from:
+        return os.path.abspath(cfg.checkpoint.resume_from)
+    if cfg.checkpoint.resume:
+        found = ckpt.find_resume_checkpoint(cfg.checkpoint.dir, cfg.run_name)
+        if found:
+            log.info("resuming %s", found)
+            return os.path.abspath(found)
+        log.warning(
+            "resume: no checkpoint of run %r under %s; starting a new run",
+            cfg.run_name,
+            cfg.checkpoint.dir,
+        )
+    run_id = f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    state = RunState(run_id=run_id, policy_dir=policy_dir, started_at=time.time())
+    session = RunSession(cfg, policy_dir, state)
+    monitor = _monitor(cfg, state)
+    state.tracking_run_id = monitor.start(dataclasses.asdict(cfg), _tags(state))
+    state.eval_before = ColocateController(session).evaluate()
+    monitor.log_metrics(state.eval_before, step=0)
+    monitor.flush()
+    return os.path.abspath(session.save_checkpoint())
+
+
+def run_steps(cfg: RunConfig, checkpoint: str, max_steps: int) -> str:
+    """Train from `checkpoint` for up to `max_steps` steps; returns the newest checkpoint."""
+    session = RunSession.from_checkpoint(cfg, checkpoint)
+    controller = ColocateController(session)
+    controller.skip_orphans()
+    state, total = session.state, cfg.train.total_steps
+    target = min(total, state.policy_version + max_steps)
+    if state.policy_version >= target:
+        return checkpoint
+    monitor = _monitor(cfg, state)
+    monitor.start(dataclasses.asdict(cfg), _tags(state))
+    latest = checkpoint
+    bar = ProgressBar(total, state.policy_version, enabled=cfg.tracking.progress)
+    try:
+        while state.policy_version < target:
+            metrics = controller.step()
+            v = state.policy_version
+            every = cfg.train.eval_every
+            if every and v % every == 0 and v < total:
+                metrics.update(controller.evaluate())
+            monitor.log_metrics(metrics, step=v)
+            bar.update(v, metrics)
+            if v % cfg.train.checkpoint_every == 0 or v == target:
+                latest = os.path.abspath(session.save_checkpoint())
+    finally:
+        bar.close()
+        monitor.flush()
+    return latest
+
+
+def finish_run(cfg: RunConfig, checkpoint: str) -> dict[str, Any]:
+    """Final held-out eval, close the MLflow run, print and return the summary."""
+    session = RunSession.from_checkpoint(cfg, checkpoint)
+    state = session.state
+    after = ColocateController(session).evaluate()
+    monitor = _monitor(cfg, state)
+    monitor.start(dataclasses.asdict(cfg), _tags(state))
+    monitor.log_metrics(after, step=state.policy_version)
+    monitor.finish("FINISHED")
+    summary = {
+        "eval_accuracy_before": state.eval_before.get("eval/accuracy"),
+        "eval_accuracy_after": after["eval/accuracy"],
+        "steps": state.policy_version,
+        "wall_time_s": time.time() - state.started_at,
+        "mlflow_run_id": state.tracking_run_id,
+        "mlflow_run_url": f"{monitor.tracking_uri}  {monitor.run_url()}",
+        "checkpoint": os.path.abspath(checkpoint),
+    }
+    print(format_summary(summary), file=sys.stderr, flush=True)
+    summary["run_id"] = state.run_id
+    with open(os.path.join(session.run_dir, "summary.json"), "w") as f:
+        json.dump({**summary, "eval_before": state.eval_before, "eval_after": after}, f, indent=1)
+    return summary
+
+
+def newest_checkpoint(checkpoint: str) -> str:
+    """The newest checkpoint of the run `checkpoint` belongs to (what a retried node resumes)."""
+    found = ckpt.list_checkpoints(os.path.dirname(os.path.abspath(checkpoint)))
+    return found[-1] if found else checkpoint
+
+
+def run(cfg: RunConfig) -> dict[str, Any]:
+    """The whole colocate run in this process (what the Flyte workflow does node by node)."""
+    from relax_core.data.dataset import fingerprint
+    from relax_core.models.policy import PolicySpec, prepare_policy
+
+    preflight(cfg)
+    if cfg.train.torch_threads:
+        torch.set_num_threads(cfg.train.torch_threads)
+    spec = PolicySpec.of(cfg, fingerprint(cfg.data.train_path))
+    checkpoint = start_run(cfg, prepare_policy(spec, cfg.checkpoint.policy_cache_dir))
+    while ckpt.read_state(checkpoint)["policy_version"] < cfg.train.total_steps:
+        checkpoint = run_steps(cfg, checkpoint, cfg.train.steps_per_node)
+    return finish_run(cfg, checkpoint)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run colocate RL without Flyte.")
+    parser.add_argument("--cfg", required=True, help="YAML run config")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Everything one colocate run holds while it trains: built from a config and a checkpoint.
+
+A RunSession is the sum of its parts (queue, policy + engine + backend, reference model, prompt
+sources, reward function, tracking) plus the resumable RunState. It knows how to load itself from a
+checkpoint and save itself into one; the controller decides when.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from relax_core.config import RunConfig
+from relax_core.data.cursor import DatasetCursor
+from relax_core.data.dataset import load_prompts
+from relax_core.models.policy import load_policy
+from relax_core.queue import STAGES, TransferQueue
+from relax_core.rewards import resolve_reward
+from relax_core.rollout.torch_engine import TorchEngine
+from relax_core.services.prompts import PromptSource
+from relax_core.sync.inprocess import InProcessSync
+from relax_core.train import checkpoint as ckpt
+from relax_core.train.torch_backend import TorchBackend
+
+
+@dataclass
+class RunState:
+    """What a checkpoint needs besides weights and optimizer to continue exactly."""
+
+    run_id: str
+    policy_dir: str = ""
+    started_at: float = 0.0
+    policy_version: int = 0
+    dataset_cursor: dict[str, int] = field(default_factory=lambda: DatasetCursor().to_dict())
+    queue_cursors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STAGES, -1))
+    tracking_run_id: str = ""
+    eval_before: dict[str, float] = field(default_factory=dict)
+    train_seconds: float = 0.0
+    orphaned_groups: int = 0
+    rng: dict[str, Any] = field(default_factory=dict)
+
+
+class RunSession:
+    def __init__(self, cfg: RunConfig, model_dir: str, state: RunState) -> None:
+        self.cfg = cfg
+        self.state = state
+        if cfg.train.torch_threads:
+            torch.set_num_threads(cfg.train.torch_threads)
+        self.model, self.tokenizer = load_policy(model_dir, cfg.model.dtype)
+        self.pad_token_id = self.tokenizer.pad_token_id
+        engine_model = copy.deepcopy(self.model)
+        self.engine = TorchEngine(
+            engine_model, self.tokenizer.eos_token_id, self.pad_token_id, seed=cfg.seed
+        )
+        self.engine.version = state.policy_version
+        t = cfg.train
+        self.backend = TorchBackend(
+            self.model, t.lr, t.weight_decay, t.grad_clip, cfg.rollout.temperature, t.warmup_steps
+        )
+        self.sync = InProcessSync([self.engine])
+        self.ref_model = None
+        if cfg.algorithm.kl_coef > 0:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.reward_fn = resolve_reward(cfg.reward.name)
+        d = cfg.data
+        self.train_prompts = PromptSource(
+            load_prompts(d.train_path),
+            self.tokenizer,
+            d.template,
+            d.system_prompt,
+            cfg.seed,
+            d.shuffle,
+        )
+        self.eval_prompts = PromptSource(
+            load_prompts(d.eval_path), self.tokenizer, d.template, d.system_prompt, cfg.seed, False
+        )
+        self.queue = TransferQueue(cfg.queue.root, state.run_id)
+        self.run_dir = os.path.join(cfg.checkpoint.dir, state.run_id)
+
+    # ------------------------------------------------------------------ checkpoints
+    @classmethod
+    def from_checkpoint(cls, cfg: RunConfig, path: str) -> RunSession:
+        raw = ckpt.read_state(path)
+        state = RunState(**{f.name: raw[f.name] for f in dataclasses.fields(RunState)})
+        session = cls(cfg, path, state)
+        if os.path.isfile(os.path.join(path, "optimizer.pt")):
+            session.backend.load(path)
+        if session.ref_model is not None and state.policy_dir:
+            # The KL anchor is the starting policy, not the checkpoint being resumed.
+            session.ref_model, _ = load_policy(state.policy_dir, cfg.model.dtype)
+            session.ref_model.eval().requires_grad_(False)
+        session._restore_rng()
+        return session
+
+    def save_checkpoint(self) -> str:
+        self.state.rng = {
+            "torch": ckpt.encode_rng(torch.get_rng_state()),
+            "engine": ckpt.encode_rng(self.engine.generator.get_state()),
+            "python": random.getstate()[1][:625],
+        }
+
+        def write_model(directory: str) -> None:
+            self.backend.save(directory)
+            self.tokenizer.save_pretrained(directory)
+
+        return ckpt.save_checkpoint(
+            self.run_dir,
+            self.state.policy_version,
+            write_model,
+            {**dataclasses.asdict(self.state), "config": dataclasses.asdict(self.cfg)},
+            self.cfg.train.keep_checkpoints,
+        )
+
+    def _restore_rng(self) -> None:
+        rng = self.state.rng
+        if "torch" in rng:
+            torch.set_rng_state(ckpt.decode_rng(rng["torch"]))
+            self.engine.generator.set_state(ckpt.decode_rng(rng["engine"]))
+            random.setstate((3, tuple(rng["python"]), None))
+
+    @property
+    def dataset_cursor(self) -> DatasetCursor:
+        return DatasetCursor.from_dict(self.state.dataset_cursor)

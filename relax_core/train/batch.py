@@ -1,0 +1,82 @@
+"""Packing queue rows into padded token tensors and token-budget micro-batches. Pure functions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Prompt+response sequences, right-padded, and per-response-token tensors.
+
+    input_ids/attention_mask: [B, S]; response_ids/loss_mask: [B, R]; response_positions: [B, R]
+    index into S of the hidden state that predicts each response token (prompt_len - 1 + t).
+    `extras` holds further [B, R] float tensors (advantages, old/ref/rollout log-probs).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_positions: torch.Tensor
+    loss_mask: torch.Tensor
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def pad_2d(rows: Sequence[Sequence[float]], width: int, value: float, dtype: torch.dtype):
+    """[len(rows), width] tensor, each row left-aligned and padded with `value`."""
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        if len(row):
+            out[i, : len(row)] = torch.as_tensor(row, dtype=dtype)
+    return out
+
+
+def make_micro_batch(
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    loss_mask: Sequence[Sequence[int]],
+    pad_token_id: int,
+    extras: dict[str, Sequence[Sequence[float]]] | None = None,
+) -> MicroBatch:
+    if not prompt_ids:
+        raise ValueError("cannot build a micro-batch from zero rows")
+    seqs = [list(p) + list(r) for p, r in zip(prompt_ids, response_ids, strict=True)]
+    width = max(len(s) for s in seqs)
+    r_width = max(1, max(len(r) for r in response_ids))
+    input_ids = pad_2d(seqs, width, pad_token_id, torch.long)
+    attention = pad_2d([[1] * len(s) for s in seqs], width, 0, torch.long)
+    prompt_len = torch.tensor([len(p) for p in prompt_ids])
+    positions = (prompt_len.unsqueeze(1) - 1 + torch.arange(r_width)).clamp(max=width - 1)
+    resp = pad_2d(response_ids, r_width, pad_token_id, torch.long)
+    mask = pad_2d(loss_mask, r_width, 0, torch.float32)
+    ext = {k: pad_2d(v, r_width, 0.0, torch.float32) for k, v in (extras or {}).items()}
+    return MicroBatch(input_ids, attention, resp, positions, mask, ext)
+
+
+def split_by_token_budget(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Group row indices so that rows x longest-row-length stays within `budget` tokens.
+
+    Rows are taken longest first so similar lengths share a micro-batch (less padding). A row
+    longer than the budget gets a micro-batch of its own.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        longest_if_added = max(longest, lengths[i])
+        if current and longest_if_added * (len(current) + 1) > budget:
+            groups.append(current)
+            current, longest_if_added = [], lengths[i]
+        current.append(i)
+        longest = longest_if_added
+    if current:
+        groups.append(current)
+    return groups

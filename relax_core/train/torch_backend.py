@@ -1,0 +1,112 @@
+"""Torch train backend: an HF causal LM, AdamW, gradient accumulation over token-budget micro-batches.
+
+Log-probs are computed only at response positions: the decoder runs over the whole sequence, but the
+LM head (the widest matmul for real vocabularies) sees just the hidden states that predict response
+tokens. Logits are divided by the rollout temperature so the trainer scores the distribution the
+engine sampled from.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+
+import torch
+from transformers import PreTrainedModel
+
+from relax_core.train.backend import MicroBatchLoss
+from relax_core.train.batch import MicroBatch
+
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def response_logprobs(
+    model: PreTrainedModel, mb: MicroBatch, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs [B, R], entropy [B, R]) of the response tokens of `mb` under `model`."""
+    hidden = model.get_decoder()(
+        input_ids=mb.input_ids, attention_mask=mb.attention_mask
+    ).last_hidden_state
+    index = mb.response_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+    logits = model.get_output_embeddings()(hidden.gather(1, index)).float()
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)
+    logprobs = logp_all.gather(-1, mb.response_ids.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logprobs, entropy
+
+
+class TorchBackend:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        lr: float,
+        weight_decay: float = 0.0,
+        grad_clip: float = 1.0,
+        temperature: float = 1.0,
+        warmup_steps: int = 0,
+    ) -> None:
+        self.model = model.train()
+        self.lr = lr
+        self.warmup_steps = warmup_steps
+        self.grad_clip = grad_clip
+        self.temperature = temperature
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=lr,
+            weight_decay=weight_decay,
+            betas=(0.9, 0.99),
+        )
+
+    def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return response_logprobs(self.model, mb, self.temperature)
+
+    @torch.no_grad()
+    def logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
+        return [self._forward(mb)[0] for mb in micro_batches]
+
+    def train_step(
+        self, micro_batches: list[MicroBatch], loss_fn: MicroBatchLoss
+    ) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        total_seqs = sum(mb.num_seqs for mb in micro_batches)
+        for mb in micro_batches:
+            logprobs, entropy = self._forward(mb)
+            loss, metrics = loss_fn(logprobs, entropy, mb)
+            loss.backward()
+            # Metrics are per-micro-batch means; weight them by rows to report the batch mean.
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value) * mb.num_seqs / total_seqs
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if math.isfinite(grad_norm):
+            self._set_lr()
+            self.optimizer.step()
+        sums["grad_norm"] = grad_norm
+        sums["lr"] = self.optimizer.param_groups[0]["lr"]
+        sums["skipped_step"] = 0.0 if math.isfinite(grad_norm) else 1.0
+        return sums
+
+    def _set_lr(self) -> None:
+        """Linear warmup keyed on the optimizer's own step count, so it survives a resume."""
+        state = next(iter(self.optimizer.state.values()), None)
+        done = int(state["step"]) if state else 0
+        scale = min(1.0, (done + 1) / self.warmup_steps) if self.warmup_steps else 1.0
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr * scale
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in self.model.named_parameters():
+            yield name, param.detach()
+
+    def save(self, directory: str) -> None:
+        self.model.save_pretrained(directory, safe_serialization=True)
+        torch.save(self.optimizer.state_dict(), os.path.join(directory, OPTIMIZER_FILE))
+
+    def load(self, directory: str) -> None:
+        """Restore optimizer state; the model weights are loaded by whoever built the model."""
+        path = os.path.join(directory, OPTIMIZER_FILE)
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        self.optimizer.load_state_dict(state)

@@ -1,0 +1,88 @@
+"""Shared test setup: quiet, offline, and every temp file under the test's own directory."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """Run in a fresh directory that sees the repo's datasets/ and keeps flytekit's temp files."""
+    os.symlink(os.path.join(REPO, "datasets"), tmp_path / "datasets")
+    monkeypatch.chdir(tmp_path)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    return tmp_path
+
+
+SMALL_RUN = {
+    "run_name": "t",
+    "seed": 0,
+    "model": {
+        "kind": "tiny-qwen3",
+        "hidden_size": 32,
+        "num_layers": 1,
+        "num_heads": 2,
+        "num_kv_heads": 1,
+        "intermediate_size": 64,
+    },
+    "warm_start": {"steps": 5, "lr": 0.003, "batch_size": 16},
+    "data": {"eval_size": 16},
+    "rollout": {"n_samples_per_prompt": 4, "groups_per_step": 4, "max_new_tokens": 4},
+    "train": {
+        "total_steps": 6,
+        "checkpoint_every": 2,
+        "steps_per_node": 3,
+        "torch_threads": 1,
+        "keep_checkpoints": 10,
+    },
+    "tracking": {"experiment": "tests", "progress": False},
+}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(base.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+@pytest.fixture
+def small_config(workdir):
+    """Write a small, fast run config into the work dir; keyword sections override SMALL_RUN."""
+    import yaml
+
+    def write(name: str = "run.yaml", **sections) -> str:
+        data = _merge(SMALL_RUN, sections)
+        data.setdefault("tracking", {})["tracking_uri"] = f"sqlite:///{workdir}/mlflow.db"
+        path = workdir / name
+        path.write_text(yaml.safe_dump(data))
+        return str(path)
+
+    return write

@@ -1,0 +1,82 @@
+"""Config loading: every shipped YAML parses; bad input gives one error naming field and allowed values."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+
+from relax_core.config import ConfigError, RunConfig, config_from_dict, load_config, replace
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml"))))
+def test_every_shipped_config_parses(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, RunConfig)
+    assert cfg.run_name
+
+
+def test_cpu_default_is_colocate_on_the_tiny_model():
+    cfg = load_config(os.path.join(REPO, "configs", "cpu-default.yaml"))
+    assert cfg.mode == "colocate" and cfg.rollout.max_staleness == 0
+    assert cfg.model.kind == "tiny-qwen3"
+    assert cfg.warm_start.steps > 0
+
+
+def test_unknown_field_names_its_path_and_the_allowed_fields():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"train": {"total_stepz": 3}})
+    msg = str(err.value)
+    assert "train.total_stepz: unknown field" in msg
+    assert "total_steps" in msg  # the allowed names are listed
+
+
+def test_wrong_types_are_all_reported_together():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(
+            {"train": {"lr": "fast"}, "rollout": {"max_new_tokens": 2.5}, "seed": True}
+        )
+    msg = str(err.value)
+    assert "train.lr: expected a number, got 'fast'" in msg
+    assert "rollout.max_new_tokens: expected an integer, got 2.5" in msg
+    assert "seed: expected an integer, got True" in msg
+
+
+def test_invalid_choice_lists_allowed_values():
+    with pytest.raises(ConfigError, match=r"algorithm.kl_kind: 'k9' is not one of k1, k2, k3"):
+        config_from_dict({"algorithm": {"kl_kind": "k9"}})
+
+
+def test_colocate_refuses_staleness():
+    with pytest.raises(ConfigError, match="rollout.max_staleness"):
+        config_from_dict({"rollout": {"max_staleness": 2}})
+
+
+def test_ints_are_accepted_for_floats_and_section_can_be_replaced():
+    cfg = config_from_dict({"train": {"lr": 1}})
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert replace(cfg, train={"total_steps": 7}).train.total_steps == 7
+
+
+def test_from_json_is_strict_because_pyflyte_parses_cfg_with_it():
+    with pytest.raises(ConfigError, match="model.colour: unknown field"):
+        RunConfig.from_json(json.dumps({"model": {"colour": "red"}}))
+    assert RunConfig.from_json(json.dumps({"seed": 3})).seed == 3
+
+
+def test_missing_config_file_names_the_path(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_config_module_imports_neither_torch_nor_flytekit():
+    import subprocess
+    import sys
+
+    code = "import sys, relax_core.config; print('torch' in sys.modules, 'flytekit' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert out.stdout.split() == ["False", "False"], out.stderr

@@ -1,0 +1,110 @@
+"""Torch rollout engine: batched KV-cache sampling must score tokens exactly as a full forward does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from relax_core.config import ModelConfig
+from relax_core.models.tiny import build_char_tokenizer, build_tiny_qwen3
+from relax_core.rollout.engine import SamplingParams
+from relax_core.rollout.sampling import _top_p_filter, sample_tokens
+from relax_core.rollout.torch_engine import TorchEngine
+
+SMALL = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+@pytest.fixture
+def engine(tok):
+    model = build_tiny_qwen3(SMALL, len(tok), seed=0)
+    return TorchEngine(model, tok.eos_token_id, tok.pad_token_id, seed=1)
+
+
+def _ids(tok, texts):
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def test_logprobs_match_an_unpadded_full_forward(engine, tok):
+    prompts = _ids(tok, ["1+2=", "12+34=", "99+99=", "7="])
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=5, temperature=0.7))
+    for p, c in zip(prompts, outs, strict=True):
+        ids = torch.tensor([p + c.response_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(engine.model(ids).logits[0] / 0.7, -1)
+        expected = [logp[len(p) - 1 + j, t].item() for j, t in enumerate(c.response_ids)]
+        assert c.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def test_greedy_output_does_not_depend_on_batch_neighbours(engine, tok):
+    prompts = _ids(tok, ["3+4=", "45+45=", "1="])
+    params = SamplingParams(max_new_tokens=4, greedy=True)
+    together = engine.generate(prompts, params)
+    alone = [engine.generate([p], params)[0] for p in prompts]
+    assert [c.response_ids for c in together] == [c.response_ids for c in alone]
+
+
+def test_stop_on_eos_and_finish_reasons(tok):
+    model = build_tiny_qwen3(SMALL, len(tok), seed=0)
+    with torch.no_grad():  # all-zero logits: every token equally likely, EOS included
+        model.lm_head.weight.zero_()
+    engine = TorchEngine(model, tok.eos_token_id, tok.pad_token_id)
+    outs = engine.generate(_ids(tok, ["1+1="] * 256), SamplingParams(max_new_tokens=3))
+    # With 79 equally likely tokens, P(no EOS in 3) = (78/79)^3 ~ 0.96: both endings occur.
+    assert {c.finish_reason for c in outs} == {"stop", "length"}
+    for c in outs:
+        if c.finish_reason == "stop":
+            assert c.response_ids[-1] == tok.eos_token_id
+            assert tok.eos_token_id not in c.response_ids[:-1]
+        else:
+            assert c.finish_reason == "length" and len(c.response_ids) == 3
+            assert tok.eos_token_id not in c.response_ids
+
+
+def test_same_seed_same_samples(tok):
+    model = build_tiny_qwen3(SMALL, len(tok), seed=0)
+    a = TorchEngine(model, tok.eos_token_id, tok.pad_token_id, seed=5)
+    b = TorchEngine(model, tok.eos_token_id, tok.pad_token_id, seed=5)
+    prompts = _ids(tok, ["12+30="] * 8)
+    params = SamplingParams(max_new_tokens=4)
+    assert [c.response_ids for c in a.generate(prompts, params)] == [
+        c.response_ids for c in b.generate(prompts, params)
+    ]
+
+
+def test_update_weights_sets_version_and_changes_outputs(engine, tok):
+    prompts = _ids(tok, ["5+5="])
+    before = engine.generate(prompts, SamplingParams(max_new_tokens=3, greedy=True))[0]
+    new = {n: torch.randn_like(p) for n, p in engine.model.named_parameters()}
+    engine.update_weights(new.items(), version=3)
+    after = engine.generate(prompts, SamplingParams(max_new_tokens=3, greedy=True))[0]
+    assert after.policy_version == 3 and before.policy_version == 0
+    assert after.logprobs != before.logprobs
+    with pytest.raises(KeyError, match="no parameter 'nope'"):
+        engine.update_weights([("nope", torch.zeros(1))], version=4)
+
+
+def test_paused_engine_refuses_work(engine, tok):
+    engine.pause()
+    with pytest.raises(RuntimeError, match="paused"):
+        engine.generate(_ids(tok, ["1="]), SamplingParams(max_new_tokens=1))
+    engine.resume()
+    assert engine.health()["paused"] is False
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+    # probs 0.5, 0.3, 0.15, 0.05: top_p 0.7 keeps 0.5 and 0.3 (mass before 0.3 is 0.5 < 0.7;
+    # mass before 0.15 is 0.8 >= 0.7, so it and 0.05 are dropped).
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]])
+    assert _top_p_filter(probs, 0.7)[0].tolist() == pytest.approx([0.0, 0.5, 0.0, 0.3])
+
+
+def test_sampled_logprob_is_of_the_tempered_distribution():
+    logits = torch.tensor([[2.0, 0.0]])
+    tok, lp = sample_tokens(logits, temperature=2.0, top_p=1.0, greedy=True, generator=None)
+    # softmax([1, 0]) = [e/(e+1), 1/(e+1)] -> log(e/(e+1)) = -0.31326
+    assert tok.item() == 0 and lp.item() == pytest.approx(-0.313262, abs=1e-5)
