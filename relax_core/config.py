@@ -157,7 +157,7 @@ class TrackingConfig:
     experiment: str = "relax"
     """MLflow experiment name."""
     tracking_uri: str = ""
-    """MLflow tracking URI; empty = $MLFLOW_TRACKING_URI, else sqlite ./mlruns.db."""
+    """MLflow tracking URI; empty = $MLFLOW_TRACKING_URI, else sqlite ./mlflow.db."""
     progress: bool = True
     """Show a progress bar on stderr."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from relax_core.rewards.choice import choice_reward
+from relax_core.rewards.digits import digits_reward
 from relax_core.rewards.f1 import f1_reward
 from relax_core.rewards.math import math_reward
 from relax_core.rewards.result import RewardFn
@@ -10,6 +11,7 @@ from relax_core.rewards.user import load_user_reward
 
 REWARDS: dict[str, RewardFn] = {
     "math": math_reward,
+    "digits": digits_reward,
     "multiple_choice": choice_reward,
     "f1": f1_reward,
 }

@@ -29,14 +29,14 @@ _TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
 
 
 def default_tracking_uri(cwd: str | None = None) -> str:
-    """MLFLOW_TRACKING_URI when set, else a sqlite store `mlruns.db` in `cwd` (default: the CWD).
+    """MLFLOW_TRACKING_URI when set, else a sqlite store `mlflow.db` in `cwd` (default: the CWD).
 
     The sqlite path is made absolute so the URI still names the same store after a chdir.
     """
     from_env = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
     if from_env:
         return from_env
-    db = Path(cwd or os.getcwd()).resolve() / "mlruns.db"
+    db = Path(cwd or os.getcwd()).resolve() / "mlflow.db"
     return f"sqlite:///{db}"
 
 

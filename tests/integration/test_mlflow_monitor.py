@@ -28,7 +28,7 @@ def reward_at(step: int) -> float:
 def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     """One sqlite store per module: creating one runs MLflow's schema migrations (seconds)."""
     root = tmp_path_factory.mktemp("mlflow")
-    return f"sqlite:///{root / 'mlruns.db'}", root
+    return f"sqlite:///{root / 'mlflow.db'}", root
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +165,7 @@ def test_default_tracking_uri(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     assert default_tracking_uri() == "http://127.0.0.1:5000"
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     monkeypatch.chdir(tmp_path)
-    assert default_tracking_uri() == f"sqlite:///{tmp_path.resolve()}/mlruns.db"
+    assert default_tracking_uri() == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
 
 
 def test_flatten_params_truncates_long_values_and_refuses_collisions():
