@@ -1,6 +1,6 @@
 """Two-digit addition prompts ("12+34=" -> "46", "07+05=" -> "12") with a fixed held-out eval split.
 
-Every pair 0 <= a, b <= 99 with a + b <= 99 appears exactly once: EVAL_SIZE pairs drawn with ``seed`` form the
+Every pair 0 <= a, b <= 99 appears exactly once: EVAL_SIZE pairs drawn with ``seed`` form the
 eval split, all the others form the train split. Deterministic: the same seed writes
 byte-identical files. Standard library only, so it runs anywhere.
 
@@ -18,10 +18,6 @@ import tempfile
 DEFAULT_SEED = 0
 EVAL_SIZE = 256
 MAX_OPERAND = 99
-# Sums stay below 100 so every answer has two digits at most: a 2-layer model then has one
-# output layout to learn (a third, leading carry digit is the slowest thing for it to get right,
-# and RL from a warm start stalls on it). Carries from the ones into the tens digit remain.
-MAX_SUM = 99
 
 
 def _row(a: int, b: int) -> dict:
@@ -32,10 +28,8 @@ def _row(a: int, b: int) -> dict:
 
 
 def generate(seed: int = DEFAULT_SEED) -> tuple[list[dict], list[dict]]:
-    """Return ``(train_rows, eval_rows)``: 4794 and 256 disjoint rows, both in (a, b) order."""
-    pairs = [
-        (a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1) if a + b <= MAX_SUM
-    ]
+    """Return ``(train_rows, eval_rows)``: 9744 and 256 disjoint rows, both in (a, b) order."""
+    pairs = [(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
     held_out = set(random.Random(seed).sample(pairs, EVAL_SIZE))
     train = [_row(a, b) for a, b in pairs if (a, b) not in held_out]
     eval_ = [_row(a, b) for a, b in sorted(held_out)]

@@ -46,6 +46,10 @@ class ModelConfig:
     """Tiny model: key/value heads (grouped-query attention; must divide num_heads)."""
     intermediate_size: int = 512
     """Tiny model: MLP width."""
+    tie_embeddings: bool = True
+    """Tiny model: share the input embedding with the LM head."""
+    rope_theta: float = 10000.0
+    """Tiny model: rotary base; short sequences resolve positions better with a small base."""
     dtype: str = "float32"
     """Parameter dtype for rollout and training."""
 

@@ -270,13 +270,12 @@ def test_chat_template_errors():
 def test_arithmetic_split_is_disjoint_complete_and_correct():
     arithmetic = _load_script("arithmetic")
     train, eval_ = arithmetic.generate()
-    # pairs with a + b <= 99: sum over a of (100 - a) = 5050; 256 of them held out
-    assert (len(train), len(eval_)) == (4794, 256)
+    assert (len(train), len(eval_)) == (9744, 256)  # 100 * 100 pairs - 256 held out
     prompts = [r["prompt"] for r in train + eval_]
-    assert len(set(prompts)) == 5050  # disjoint and every pair present once
+    assert len(set(prompts)) == 10000  # disjoint and every pair present once
     for row in train + eval_:
-        a, b = map(int, re.fullmatch(r"(\d\d)\+(\d\d)=", row["prompt"]).groups())
-        assert a + b <= 99 and row["answer"] == str(a + b)
+        a, b = map(int, re.fullmatch(r"(\d+)\+(\d+)=", row["prompt"]).groups())
+        assert 0 <= a <= 99 and 0 <= b <= 99 and row["answer"] == str(a + b)
     _, other_eval = arithmetic.generate(seed=1)
     assert other_eval != eval_  # the seed picks the held-out pairs
 
@@ -287,7 +286,7 @@ def test_shipped_arithmetic_files_match_generator(tmp_path):
     for split in ("train", "eval"):
         shipped = REPO / "datasets" / "arithmetic" / f"{split}.jsonl"
         assert shipped.read_bytes() == (tmp_path / f"{split}.jsonl").read_bytes(), split
-        assert len(load_prompts(str(shipped))) == {"train": 4794, "eval": 256}[split]
+        assert len(load_prompts(str(shipped))) == {"train": 9744, "eval": 256}[split]
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]
 
 
