@@ -136,6 +136,9 @@ class TrainConfig:
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Max global grad norm (0 = no clipping)."""
+    minibatches_per_step: int = 1
+    """PPO-style updates per step batch: split into this many mini-batches of whole groups, each
+    one clipped optimizer update against the log-probs the batch was generated with."""
     micro_batch_tokens: int = 16384
     """Token budget of one forward/backward micro-batch (gradients accumulate across them)."""
     checkpoint_every: int = 25
@@ -376,6 +379,11 @@ def validate(cfg: RunConfig) -> list[str]:
     _positive(e, "train.warmup_steps", t.warmup_steps, allow_zero=True)
     _positive(e, "train.grad_clip", t.grad_clip, allow_zero=True)
     _positive(e, "train.micro_batch_tokens", t.micro_batch_tokens)
+    _positive(e, "train.minibatches_per_step", t.minibatches_per_step)
+    if t.minibatches_per_step > cfg.rollout.groups_per_step:
+        e.append(
+            "train.minibatches_per_step: must be <= rollout.groups_per_step (groups are not split)"
+        )
     _positive(e, "train.checkpoint_every", t.checkpoint_every)
     _positive(e, "train.keep_checkpoints", t.keep_checkpoints)
     _positive(e, "train.steps_per_node", t.steps_per_node)

@@ -76,7 +76,14 @@ class ColocateController:
         table = self._consume("ready")
         t4 = time.perf_counter()
         metrics.update(
-            train_on_table(s.backend, table, a, s.pad_token_id, cfg.train.micro_batch_tokens)
+            train_on_table(
+                s.backend,
+                table,
+                a,
+                s.pad_token_id,
+                cfg.train.micro_batch_tokens,
+                cfg.train.minibatches_per_step,
+            )
         )
         t5 = time.perf_counter()
         s.state.policy_version = v + 1

@@ -1,8 +1,10 @@
 """Trainer role: one optimizer step on a step batch of `ready` rows with the configured loss.
 
-old_logprobs come from the `fwd` stage when the actor_fwd role ran; in colocate mode with one
-optimizer step per batch the proximal policy IS the current policy, so they are taken from the
-same forward pass (detached) and the extra forward is skipped.
+old_logprobs come from the `fwd` stage when the actor_fwd role ran. Without it, in colocate mode
+the proximal policy is the one that generated the batch: for a single update it is the current
+policy (taken from the same forward pass, detached, so no extra forward), and for several
+mini-batch updates it is the rollout engine's log-probs, computed with the very weights the
+trainer held when the batch was generated.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from relax_core.train.backend import MicroBatchLoss, TrainBackend
 from relax_core.train.batch import MicroBatch
 
 
-def _loss_fn(algo: AlgorithmConfig, num_tokens: float, num_seqs: float) -> MicroBatchLoss:
+def _loss_fn(
+    algo: AlgorithmConfig, num_tokens: float, num_seqs: float, proximal: str
+) -> MicroBatchLoss:
     loss_impl = POLICY_LOSSES[algo.loss]
 
     def fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch):
-        old = mb.extras.get("old_logprobs", logprobs.detach())
+        old = mb.extras[proximal] if proximal else logprobs.detach()
         inputs = LossInputs(
             logprobs=logprobs,
             old_logprobs=old,
@@ -50,27 +54,49 @@ def _loss_fn(algo: AlgorithmConfig, num_tokens: float, num_seqs: float) -> Micro
     return fn
 
 
+def _split_groups(table: pa.Table, parts: int) -> list[pa.Table]:
+    """`parts` tables of whole groups, in order of first appearance."""
+    group_ids = table.column("group_id").to_pylist()
+    order = list(dict.fromkeys(group_ids))
+    part_of = {g: i * parts // len(order) for i, g in enumerate(order)}
+    rows: list[list[int]] = [[] for _ in range(parts)]
+    for i, g in enumerate(group_ids):
+        rows[part_of[g]].append(i)
+    return [table.take(r) for r in rows if r]
+
+
 def train_on_table(
     backend: TrainBackend,
     table: pa.Table,
     algo: AlgorithmConfig,
     pad_token_id: int,
     token_budget: int,
+    minibatches: int = 1,
 ) -> dict[str, float]:
+    """Train on one step batch: `minibatches` optimizer updates; returns averaged metrics."""
     extras = ["advantages", "rollout_logprobs"]
     if algo.kl_coef > 0:
         extras.append("ref_logprobs")
+    proximal = ""
     if table.column("old_logprobs").null_count == 0:
         extras.append("old_logprobs")
-    batches = [
-        mb for _, mb in table_micro_batches(table, pad_token_id, token_budget, tuple(extras))
-    ]
-    num_tokens = float(sum(mb.loss_mask.sum() for mb in batches))
-    num_seqs = float(sum((mb.loss_mask.sum(-1) > 0).sum() for mb in batches))
-    metrics = backend.train_step(batches, _loss_fn(algo, num_tokens, num_seqs))
-    versions = table.column("behaviour_version_min").to_pylist()
-    out = {f"train/{k}": v for k, v in metrics.items()}
-    out["train/micro_batches"] = float(len(batches))
-    out["train/trained_tokens"] = num_tokens
-    out["train/behaviour_version_min"] = float(min(versions))
+        proximal = "old_logprobs"
+    elif minibatches > 1:
+        proximal = "rollout_logprobs"
+    sums: dict[str, float] = {}
+    n_micro, trained = 0, 0.0
+    for part in _split_groups(table, minibatches):
+        mbs = [mb for _, mb in table_micro_batches(part, pad_token_id, token_budget, tuple(extras))]
+        num_tokens = float(sum(mb.loss_mask.sum() for mb in mbs))
+        num_seqs = float(sum((mb.loss_mask.sum(-1) > 0).sum() for mb in mbs))
+        metrics = backend.train_step(mbs, _loss_fn(algo, num_tokens, num_seqs, proximal))
+        for key, value in metrics.items():
+            sums[key] = sums.get(key, 0.0) + value / minibatches
+        n_micro, trained = n_micro + len(mbs), trained + num_tokens
+    out = {f"train/{k}": v for k, v in sums.items()}
+    out["train/micro_batches"] = float(n_micro)
+    out["train/trained_tokens"] = trained
+    out["train/behaviour_version_min"] = float(
+        min(table.column("behaviour_version_min").to_pylist())
+    )
     return out
