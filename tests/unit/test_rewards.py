@@ -139,7 +139,7 @@ def test_f1_reads_the_answer_line_and_handles_empty():
 
 
 def test_registered_names_resolve():
-    assert set(REWARDS) == {"math", "multiple_choice", "f1"}
+    assert set(REWARDS) == {"math", "digits", "multiple_choice", "f1"}
     assert resolve_reward("math") is math_reward
     assert resolve_reward("multiple_choice") is choice_reward
 
@@ -155,7 +155,7 @@ def test_user_function_resolves_and_scores():
 @pytest.mark.parametrize(
     ("spec", "error", "message"),
     [
-        ("mathh", ValueError, "registered rewards: f1, math, multiple_choice.*module:function"),
+        ("mathh", ValueError, "registered rewards: digits, f1, math, multiple_choice.*module:function"),
         ("", ValueError, "non-empty"),
         ("tests.unit.no_such_module:fn", ValueError, "'tests.unit.no_such_module' cannot be found"),
         (f"{FIXTURES}:missing", ValueError, "has no 'missing'"),
@@ -210,3 +210,19 @@ def test_score_batch_keeps_order_and_returns_plain_floats():
 def test_score_batch_rejects_mismatched_lengths():
     with pytest.raises(ValueError, match="2 responses, 1 answers, 2 samples"):
         score_batch(math_reward, ["1", "2"], ["1"], [ROW, ROW])
+
+
+@pytest.mark.parametrize(
+    ("response", "answer", "reward", "correct"),
+    [
+        ("46", "46", 1.0, True),
+        ("Answer: 46", "46", 1.0, True),
+        ("47", "46", 0.25, False),  # ones digit wrong: 0.5 * 1/2 digits right
+        ("146", "46", 0.5 * 2 / 3, False),  # '46' aligned from the right, 3 digits long
+        ("64", "46", 0.0, False),
+        ("forty-six", "46", 0.0, False),
+    ],
+)
+def test_digits_reward_gives_partial_credit_below_any_exact_answer(response, answer, reward, correct):
+    result = resolve_reward("digits")(response, answer, {})
+    assert result.reward == pytest.approx(reward) and result.correct is correct
