@@ -1,5 +1,6 @@
 """The "math" reward: the final answer (an `Answer:` line, a bare number, or `\\boxed{}`) is
-compared with the gold answer, numerically when both are plain numbers, else with math-verify.
+compared with the gold answer, numerically when both are plain numbers (or, for a numeric gold
+answer, with the last number of a response that has no `Answer:` line), else with math-verify.
 
 math-verify is imported lazily: it pulls in sympy (about a second), which a run whose answers are
 all numbers never needs. Its default timeout uses `signal.alarm`, which raises when called off the
@@ -22,6 +23,7 @@ from relax_core.rewards.result import RewardResult
 # as "1,2" is not read as the number 12.
 _GROUPED = re.compile(r"[+-]?\d{1,3}(,\d{3})+(\.\d*)?")
 _PLAIN = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)")
+_IN_TEXT = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?|[+-]?\d+(?:\.\d+)?")
 # Relative tolerance for non-integer answers; integers are compared exactly (1000000 != 1000001).
 _REL_TOL = 1e-6
 _VERIFY_TIMEOUT_S = 5
@@ -87,6 +89,14 @@ def math_reward(response: str, answer: str, sample: Mapping[str, Any]) -> Reward
     if got is not None and want is not None:
         correct = numbers_equal(got, want)
         method = "numeric"
+    elif want is not None:
+        # A numeric gold answer and a wordy response without an Answer: line: the response's
+        # last number is its answer. Checked directly, since math-verify spends up to seconds
+        # parsing prose and a chatty model writes a lot of it.
+        numbers = _IN_TEXT.findall(extracted)
+        last = parse_number(numbers[-1]) if numbers else None
+        correct = last is not None and numbers_equal(last, want)
+        method = "last_number"
     else:
         correct = symbolic_equal(extracted, gold)
         method = "math_verify"

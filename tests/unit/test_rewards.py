@@ -226,3 +226,18 @@ def test_score_batch_rejects_mismatched_lengths():
 def test_digits_reward_gives_partial_credit_below_any_exact_answer(response, answer, reward, correct):
     result = resolve_reward("digits")(response, answer, {})
     assert result.reward == pytest.approx(reward) and result.correct is correct
+
+
+@pytest.mark.parametrize(
+    ("response", "correct"),
+    [
+        ("To add 8 and 2, add them together: 8 + 2 = 10.", True),
+        ("8 + 2 = 10, or is it 11", False),  # the last number is the answer it commits to
+        ("I have 1,010 apples", False),
+        ("No idea.", False),
+    ],
+)
+def test_math_reward_reads_the_last_number_of_a_wordy_response(response, correct):
+    result = resolve_reward("math")(response, "10", {})
+    assert result.correct is correct
+    assert result.info["method"] == "last_number"
