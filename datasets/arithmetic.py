@@ -2,7 +2,7 @@
 
 Every pair 0 <= a, b <= 99 appears exactly once: EVAL_SIZE pairs drawn with ``seed`` form the
 eval split, all the others form the train split. Deterministic: the same seed writes
-byte-identical files. Standard library only, so it runs anywhere.
+byte-identical files. Needs only the installed relax_core (for the atomic JSONL writer).
 
     python datasets/arithmetic.py --out datasets/arithmetic
 """
@@ -10,10 +10,10 @@ byte-identical files. Standard library only, so it runs anywhere.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-import tempfile
+
+from relax_core.data.dataset import write_prompts
 
 DEFAULT_SEED = 0
 EVAL_SIZE = 256
@@ -36,30 +36,14 @@ def generate(seed: int = DEFAULT_SEED) -> tuple[list[dict], list[dict]]:
     return train, eval_
 
 
-def write_jsonl(rows: list[dict], path: str) -> None:
-    """Write rows one JSON object per line; the file appears whole or not at all."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".jsonl")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a shipped data file should be world-readable
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory for train.jsonl and eval.jsonl")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="picks the eval split")
     args = parser.parse_args(argv)
     train, eval_ = generate(args.seed)
-    write_jsonl(train, os.path.join(args.out, "train.jsonl"))
-    write_jsonl(eval_, os.path.join(args.out, "eval.jsonl"))
+    write_prompts(train, os.path.join(args.out, "train.jsonl"))
+    write_prompts(eval_, os.path.join(args.out, "eval.jsonl"))
     print(f"wrote {len(train)} train and {len(eval_)} eval rows to {args.out}")
 
 

@@ -11,10 +11,10 @@ dropped: the templates produce them only as nonsense such as an age of -1.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import tempfile
 from collections.abc import Iterator
+
+from relax_core.data.dataset import write_prompts
 
 DEFAULT_SEED = 0
 DEFAULT_TRAIN = 2000
@@ -67,22 +67,6 @@ def generate(
     )
 
 
-def write_jsonl(rows: list[dict], path: str) -> None:
-    """Write rows one JSON object per line; the file appears whole or not at all."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".jsonl")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a shipped data file should be world-readable
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory for train.jsonl and eval.jsonl")
@@ -91,8 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval", type=int, default=DEFAULT_EVAL, help="eval rows")
     args = parser.parse_args(argv)
     train, eval_ = generate(args.seed, args.train, args.eval)
-    write_jsonl(train, os.path.join(args.out, "train.jsonl"))
-    write_jsonl(eval_, os.path.join(args.out, "eval.jsonl"))
+    write_prompts(train, os.path.join(args.out, "train.jsonl"))
+    write_prompts(eval_, os.path.join(args.out, "eval.jsonl"))
     print(f"wrote {len(train)} train and {len(eval_)} eval rows to {args.out}")
 
 

@@ -2,7 +2,7 @@
 
 SmolLM2-135M-Instruct answers about 40% of these correctly in 32 new tokens (measured here), a
 task it partly solves, which is what RL needs. All 100 pairs 0 <= a, b <= 9: 20 drawn with the
-seed are held out for eval, the other 80 train. Deterministic; standard library only.
+seed are held out for eval, the other 80 train. Deterministic.
 
     python datasets/sums_words.py --out datasets/sums_words
 """
@@ -10,9 +10,10 @@ seed are held out for eval, the other 80 train. Deterministic; standard library 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
+
+from relax_core.data.dataset import write_prompts
 
 EVAL_SIZE = 20
 
@@ -34,10 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "sums_words"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
     for name, rows in zip(("train", "eval"), generate(args.seed), strict=True):
-        with open(os.path.join(args.out, f"{name}.jsonl"), "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        write_prompts(rows, os.path.join(args.out, f"{name}.jsonl"))
     print(f"wrote sums_words to {args.out}")
 
 

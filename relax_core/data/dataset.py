@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -177,3 +178,19 @@ def fingerprint(path: str) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def write_prompts(rows: list[dict], path: str) -> None:
+    """Write rows as JSONL, one object per line; the file appears whole or not at all."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".jsonl")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a shipped data file should be world-readable
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
