@@ -1,4 +1,4 @@
-"""The CPU default really learns: held-out accuracy after 100 RL steps beats the warm start."""
+"""The CPU default really learns: held-out accuracy rises well above its warm start."""
 
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ def test_cpu_default_raises_held_out_accuracy(workdir):
     cfg = load_config(os.path.join(REPO, "configs", "cpu-default.yaml"))
     cfg = replace(
         cfg,
-        train={"total_steps": 100, "eval_every": 0, "steps_per_node": 100},
+        train={"eval_every": 0},
         tracking={"tracking_uri": f"sqlite:///{workdir}/mlflow.db", "progress": False},
     )
     summary = run(cfg)
     before, after = summary["eval_accuracy_before"], summary["eval_accuracy_after"]
-    # Warm start: about a quarter right (the policy RL needs: sometimes right); 100 GRPO steps
-    # add about 10 points here (bench/RESULTS.md has the full curve).
-    assert 0.1 <= before <= 0.45
-    assert after >= before + 0.05, (before, after)
+    # The warm start is sometimes right (about a fifth here), which is what RL needs; 200 GRPO
+    # steps took it to 0.59 on this machine (+38 points, bench/RESULTS.md). The bar leaves room
+    # for a machine whose float kernels differ: trajectories then differ by a few points.
+    assert 0.1 <= before <= 0.35
+    assert after >= before + 0.25, (before, after)
