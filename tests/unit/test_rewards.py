@@ -155,7 +155,11 @@ def test_user_function_resolves_and_scores():
 @pytest.mark.parametrize(
     ("spec", "error", "message"),
     [
-        ("mathh", ValueError, "registered rewards: digits, f1, math, multiple_choice.*module:function"),
+        (
+            "mathh",
+            ValueError,
+            "registered rewards: digits, f1, math, multiple_choice.*module:function",
+        ),
         ("", ValueError, "non-empty"),
         ("tests.unit.no_such_module:fn", ValueError, "'tests.unit.no_such_module' cannot be found"),
         (f"{FIXTURES}:missing", ValueError, "has no 'missing'"),
@@ -223,7 +227,9 @@ def test_score_batch_rejects_mismatched_lengths():
         ("forty-six", "46", 0.0, False),
     ],
 )
-def test_digits_reward_gives_partial_credit_below_any_exact_answer(response, answer, reward, correct):
+def test_digits_reward_gives_partial_credit_below_any_exact_answer(
+    response, answer, reward, correct
+):
     result = resolve_reward("digits")(response, answer, {})
     assert result.reward == pytest.approx(reward) and result.correct is correct
 

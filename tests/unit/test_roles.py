@@ -29,8 +29,12 @@ def _rows(tok, n_groups=4, n=4):
     model = build_tiny_qwen3(SMALL, len(tok), seed=0)
     engine = TorchEngine(model, tok.eos_token_id, tok.pad_token_id, seed=0)
     items = [
-        PromptItem(0, i, {"prompt": f"{i}+{i}=", "answer": str(2 * i)},
-                   tok(f"{i}+{i}=", add_special_tokens=False)["input_ids"])
+        PromptItem(
+            0,
+            i,
+            {"prompt": f"{i}+{i}=", "answer": str(2 * i)},
+            tok(f"{i}+{i}=", add_special_tokens=False)["input_ids"],
+        )
         for i in range(n_groups)
     ]
     rows, metrics = rollout_groups(
@@ -72,7 +76,8 @@ def test_mini_batches_keep_groups_whole_and_step_the_optimizer_each_time(tok):
     table = add_advantages(rows_to_table(rows), "grpo", normalize_std=True)
     parts = _split_groups(table, 2)
     assert [sorted(set(p.column("group_id").to_pylist())) for p in parts] == [
-        ["e0-p0", "e0-p1"], ["e0-p2", "e0-p3"]
+        ["e0-p0", "e0-p1"],
+        ["e0-p2", "e0-p3"],
     ]
     backend = TorchBackend(model, lr=1e-3)
     algo = AlgorithmConfig()
