@@ -56,6 +56,8 @@ def _loss_fn(
 
 def _split_groups(table: pa.Table, parts: int) -> list[pa.Table]:
     """`parts` tables of whole groups, in order of first appearance."""
+    if parts == 1:
+        return [table]
     group_ids = table.column("group_id").to_pylist()
     order = list(dict.fromkeys(group_ids))
     part_of = {g: i * parts // len(order) for i, g in enumerate(order)}

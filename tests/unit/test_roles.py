@@ -84,6 +84,6 @@ def test_mini_batches_keep_groups_whole_and_step_the_optimizer_each_time(tok):
     metrics = train_on_table(backend, table, algo, tok.pad_token_id, 4096, minibatches=2)
     steps = {int(s["step"]) for s in backend.optimizer.state.values()}
     assert steps == {2}
-    # The first mini-batch is scored by the weights that generated it: ratio 1, nothing clipped.
+    # Every token of every group is trained exactly once across the two updates.
     assert metrics["train/trained_tokens"] == sum(len(r["response_ids"]) for r in rows)
     assert torch.isfinite(torch.tensor(metrics["train/grad_norm"]))
