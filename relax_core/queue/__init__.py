@@ -1,6 +1,18 @@
 """TransferQueue: the Arrow row schema and the commit-log data bus between roles."""
 
-from relax_core.queue.queue import STAGES, TransferQueue
+from relax_core.queue.admission import (
+    AdmissionLedger,
+    admissible,
+    admission_limit,
+    may_start_group,
+    select_step_groups,
+    split_over_stale,
+    staleness_histogram,
+)
+from relax_core.queue.claims import Lease, StageWorker
+from relax_core.queue.cursor import StageCursor
+from relax_core.queue.errors import StorageError, StorageUnavailable
+from relax_core.queue.queue import STAGES, CorruptEntry, Entry, TransferQueue
 from relax_core.queue.schema import (
     ROW_SCHEMA,
     SCHEMA_VERSION,
@@ -10,16 +22,31 @@ from relax_core.queue.schema import (
     validate_table,
     with_columns,
 )
-from relax_core.queue.store import ObjectStore
+from relax_core.queue.store import ObjectStore, RetryPolicy
 
 __all__ = [
     "ROW_SCHEMA",
     "SCHEMA_VERSION",
     "STAGES",
+    "AdmissionLedger",
+    "CorruptEntry",
+    "Entry",
+    "Lease",
     "ObjectStore",
+    "RetryPolicy",
+    "StageCursor",
+    "StageWorker",
+    "StorageError",
+    "StorageUnavailable",
     "TransferQueue",
+    "admissible",
+    "admission_limit",
     "check_whole_groups",
+    "may_start_group",
     "rows_to_table",
+    "select_step_groups",
+    "split_over_stale",
+    "staleness_histogram",
     "table_to_rows",
     "validate_table",
     "with_columns",

@@ -3,18 +3,25 @@
 Layout under `{root}/{run_id}/` (see ARCHITECTURE.md, "The data bus"):
   data/{stage}/{uuid}.arrow   immutable payload (whole groups, Arrow IPC, zstd)
   log/{stage}/{seq:020d}      commit record naming one payload; created only if absent
-  control/stop, control/heartbeats/{role}-{id}
+  claims/{stage}/...          consumer leases (claims.py)
+  quarantine/{stage}/{seq:020d}.json (+ .arrow)   a corrupt entry, moved aside with its reason
+  control/stop, control/heartbeats/{role}-{id}, control/probe/
 
-put() writes the payload first and then commits the next free seq with create-if-absent, so a
-payload is invisible until its record exists and two writers never share a seq: the loser of a
-race moves on to a later seq. Readers walk seqs in order with a cursor they own.
+Two ways to commit, both a single create-if-absent, so readers never see a partial write:
+- `put` appends at the next free seq (producers: any number of rollout workers). The loser of a
+  race for a seq moves on to a later one.
+- `commit` writes at a given seq (a stage derived 1:1 from an input entry keeps the input's seq),
+  so when two workers process the same input (a lease taken over) exactly one output lands.
+A corrupt or foreign entry is moved to quarantine/ and skipped with a logged reason; the run goes on.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -22,7 +29,9 @@ import pyarrow.compute as pc
 
 from relax_core.queue.ipc import decode_table, encode_table
 from relax_core.queue.schema import validate_table
-from relax_core.queue.store import ObjectStore, probe_create_if_absent
+from relax_core.queue.store import ObjectStore, RetryPolicy, probe_create_if_absent
+
+log = logging.getLogger(__name__)
 
 STAGES = ("rollout", "ref", "fwd", "ready")
 _SEQ_WIDTH = 20
@@ -38,18 +47,51 @@ def _check_name_part(kind: str, value: str) -> None:
         raise ValueError(f"{kind} must be a non-empty name without '/', got {value!r}")
 
 
-def _log_path(stage: str, seq: int) -> str:
-    return f"log/{stage}/{seq:0{_SEQ_WIDTH}d}"
+def seq_name(seq: int) -> str:
+    return f"{seq:0{_SEQ_WIDTH}d}"
 
 
-def _parse_seq(name: str) -> int | None:
+def log_path(stage: str, seq: int) -> str:
+    return f"log/{stage}/{seq_name(seq)}"
+
+
+def parse_seq(name: str) -> int | None:
     if len(name) == _SEQ_WIDTH and name.isdigit():
         return int(name)
     return None
 
 
+class CorruptEntry(ValueError):
+    """A committed entry whose record or payload cannot be used (truncated, wrong schema...)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One committed entry as a consumer sees it: a table, or the reason it has none."""
+
+    stage: str
+    seq: int
+    record: dict[str, Any]
+    table: pa.Table | None
+    skipped: str = ""
+    """Why there is no table: the entry was quarantined, or it is an upstream tombstone."""
+
+
+def version_counts(table: pa.Table) -> dict[str, int]:
+    """Groups per behaviour_version_min (the oldest weights that produced any token of a group)."""
+    if table.num_rows == 0:
+        return {}
+    per_group = table.group_by("group_id").aggregate([("behaviour_version_min", "min")])
+    values = per_group.column("behaviour_version_min_min").to_pylist()
+    counts: dict[str, int] = {}
+    for v in values:
+        key = str(-1 if v is None else v)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 class TransferQueue:
-    """One run's queue: `put` appends a table to a stage, `next`/`read` consume it by seq."""
+    """One run's queue: `put`/`commit` write entries of a stage, `entry`/`next` read them by seq."""
 
     def __init__(
         self,
@@ -58,90 +100,269 @@ class TransferQueue:
         storage_options: dict[str, Any] | None = None,
         *,
         durable: bool = True,
+        multi_writer: bool = True,
+        retry: RetryPolicy | None = None,
     ) -> None:
-        """`durable=False` skips fsync on local disk (see ObjectStore); no effect on object stores."""
+        """Open (and on object stores, probe) the queue of `run_id` under `root`.
+
+        `durable=False` skips fsync on local disk (see ObjectStore). `multi_writer=False` lets a
+        single writer run on storage that does not enforce conditional creates.
+        """
         _check_name_part("run_id", run_id)
         self.run_id = run_id
         root_url = f"{str(root).rstrip('/')}/{run_id}"
-        self.store = ObjectStore(root_url, storage_options, durable=durable)
+        self.store = ObjectStore(root_url, storage_options, durable=durable, retry=retry)
         self.writer_id = uuid.uuid4().hex[:12]
+        self.multi_writer = multi_writer
         # Next seq to try per stage. Only a hint: create_if_absent decides who owns a seq.
         self._next_seq: dict[str, int] = {}
         self._create_checked = self.store.is_local
 
-    def put(self, stage: str, table: pa.Table, meta: dict[str, Any] | None = None) -> int:
-        """Append `table` (ROW_SCHEMA rows, whole groups) to `stage`; returns its seq."""
+    def probe(self) -> bool:
+        """Check access and whether the storage enforces create-if-absent (start-up probe).
+
+        Raises a StorageError naming the prefix when storage is unreachable or access is denied,
+        and a RuntimeError in multi-writer mode when conditional creates are not enforced.
+        """
+        self.store.check_access()
+        enforced = self.store.is_local or probe_create_if_absent(
+            self.store, f"control/probe/{self.writer_id}-{uuid.uuid4().hex}"
+        )
+        if not enforced:
+            if self.multi_writer:
+                raise RuntimeError(
+                    f"storage at {self.store.url('')} does not enforce create-if-absent "
+                    "(If-None-Match: *), so concurrent writers could overwrite each other's "
+                    "commits; use storage that supports conditional writes, or run a single "
+                    "writer per stage (multi_writer=False)"
+                )
+            log.warning(
+                "storage at %s ignores create-if-absent; single-writer mode only",
+                self.store.url(""),
+            )
+        self._create_checked = True
+        return enforced
+
+    # ---- writing ----------------------------------------------------------------------------
+
+    def _prepare(self, stage: str, table: pa.Table, meta: dict[str, Any] | None) -> dict[str, Any]:
+        """Validate, write the payload, and return the commit record (not yet committed)."""
         _check_stage(stage)
         table = validate_table(table)
         try:
             meta_json = json.loads(json.dumps(meta))
         except (TypeError, ValueError) as err:
             raise ValueError(f"meta must be JSON-serializable: {err}") from err
-        self._check_create_if_absent()
+        if not self._create_checked:
+            self.probe()
         payload = f"data/{stage}/{uuid.uuid4().hex}.arrow"
         self.store.write_immutable(payload, encode_table(table))
-        record = {
+        return {
             "payload": payload,
             "rows": table.num_rows,
             "groups": pc.count_distinct(table.column("group_id")).as_py(),
+            "versions": version_counts(table),
             "created": time.time(),
             "writer": self.writer_id,
             "meta": meta_json,
         }
-        data = json.dumps(record).encode()
+
+    def put(self, stage: str, table: pa.Table, meta: dict[str, Any] | None = None) -> int:
+        """Append `table` (ROW_SCHEMA rows, whole groups) to `stage`; returns its seq."""
+        data = json.dumps(self._prepare(stage, table, meta)).encode()
         seq = self._next_seq.get(stage)
         if seq is None:
             seq = self._tail(stage)
-        while not self.store.create_if_absent(_log_path(stage, seq), data):
+        while not self.store.create_if_absent(log_path(stage, seq), data):
             # Lost the race: skip past everything committed meanwhile, not one seq at a time.
             seq = max(seq + 1, self._tail(stage))
         self._next_seq[stage] = seq + 1
         return seq
 
-    def read(self, stage: str, seq: int) -> pa.Table:
-        """The table committed at `seq` of `stage`; ValueError naming the object if it is corrupt."""
+    def commit(
+        self, stage: str, seq: int, table: pa.Table, meta: dict[str, Any] | None = None
+    ) -> bool:
+        """Commit `table` at exactly `seq` of `stage`; False if another writer got there first.
+
+        The output of a 1:1 transform keeps its input's seq, so a retried or taken-over input
+        yields one output however many workers processed it. The loser's payload stays
+        unreferenced (invisible to readers).
+        """
+        data = json.dumps(self._prepare(stage, table, meta)).encode()
+        return self.store.create_if_absent(log_path(stage, seq), data)
+
+    def commit_tombstone(self, stage: str, seq: int, reason: str) -> bool:
+        """Fill `seq` of `stage` with a record that carries no rows, only `reason`.
+
+        Used when an input entry was quarantined, so the derived stage stays gap-free and its
+        readers see why that seq is empty instead of waiting for it.
+        """
         _check_stage(stage)
-        record = self._record(stage, seq)
-        payload = record["payload"]
-        table = decode_table(self.store.read_bytes(payload), self.store.url(payload))
+        record = {
+            "payload": None,
+            "rows": 0,
+            "groups": 0,
+            "versions": {},
+            "created": time.time(),
+            "writer": self.writer_id,
+            "tombstone": reason,
+        }
+        return self.store.create_if_absent(log_path(stage, seq), json.dumps(record).encode())
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def record(self, stage: str, seq: int) -> dict[str, Any]:
+        """The commit record at `seq`: payload, rows, groups, versions, created, writer, meta."""
+        _check_stage(stage)
+        path = log_path(stage, seq)
+        raw = self.store.read_bytes(path)
         try:
-            table = validate_table(table)
+            record = json.loads(raw)
         except ValueError as err:
-            raise ValueError(f"queue payload {self.store.url(payload)}: {err}") from err
+            raise CorruptEntry(f"corrupt commit record {self.store.url(path)}: {err}") from err
+        if not isinstance(record, dict) or "payload" not in record:
+            raise CorruptEntry(f"corrupt commit record {self.store.url(path)}: no 'payload' field")
+        payload = record["payload"]
+        if payload is None and not record.get("tombstone"):
+            raise CorruptEntry(f"commit record {self.store.url(path)} names no payload")
+        if payload is not None and not isinstance(payload, str):
+            raise CorruptEntry(f"corrupt commit record {self.store.url(path)}: bad 'payload'")
+        return record
+
+    def read(self, stage: str, seq: int) -> pa.Table:
+        """The table committed at `seq` of `stage`; CorruptEntry naming the object if unusable."""
+        return self._load(stage, seq, self.record(stage, seq))
+
+    def _load(self, stage: str, seq: int, record: dict[str, Any]) -> pa.Table:
+        payload = record["payload"]
+        if payload is None:
+            raise CorruptEntry(
+                f"{stage} entry {seq} has no rows: {record.get('tombstone', 'tombstone')}"
+            )
+        url = self.store.url(payload)
+        try:
+            data = self.store.read_bytes(payload)
+        except FileNotFoundError as err:
+            raise CorruptEntry(
+                f"queue payload {url} named by {stage} entry {seq} is missing"
+            ) from err
+        try:
+            table = validate_table(decode_table(data, url))
+        except ValueError as err:
+            raise CorruptEntry(f"queue payload {url}: {err}") from err
         if table.num_rows != record["rows"]:
-            raise ValueError(
-                f"queue payload {self.store.url(payload)} has {table.num_rows} rows but its "
-                f"commit record {self.store.url(_log_path(stage, seq))} says {record['rows']}"
+            raise CorruptEntry(
+                f"queue payload {url} has {table.num_rows} rows but its commit record "
+                f"{self.store.url(log_path(stage, seq))} says {record['rows']}"
             )
         return table
 
-    def record(self, stage: str, seq: int) -> dict[str, Any]:
-        """The commit record at `seq`: payload, rows, groups, created, writer, meta."""
+    def entry(self, stage: str, seq: int) -> Entry:
+        """The entry at `seq`; a corrupt one is quarantined and returned without a table.
+
+        FileNotFoundError if nothing is committed at `seq`.
+        """
         _check_stage(stage)
-        return self._record(stage, seq)
+        try:
+            record = self.record(stage, seq)
+            if record["payload"] is None:
+                return Entry(stage, seq, record, None, f"tombstone: {record['tombstone']}")
+            return Entry(stage, seq, record, self._load(stage, seq, record))
+        except CorruptEntry as err:
+            # A quarantined entry's payload is gone, so its first reason is the one to report.
+            reason = self.quarantine_reason(stage, seq) or self.quarantine(stage, seq, str(err))
+            return Entry(stage, seq, {}, None, f"quarantined: {reason}")
 
     def committed(self, stage: str, after: int = -1) -> list[int]:
         """Sorted seqs of `stage` greater than `after`."""
         _check_stage(stage)
-        seqs = (_parse_seq(n) for n in self.store.list_dir(f"log/{stage}"))
+        seqs = (parse_seq(n) for n in self.store.list_dir(f"log/{stage}"))
         return sorted(s for s in seqs if s is not None and s > after)
 
     def next(self, stage: str, cursor: int) -> tuple[int, pa.Table] | None:
-        """The first committed (seq, table) after `cursor`, or None if there is none yet."""
+        """The first usable (seq, table) after `cursor`, or None if there is none yet.
+
+        Quarantined entries and tombstones are passed over (they are logged and counted where
+        they were found); the caller's cursor moves to the returned seq.
+        """
         _check_stage(stage)
-        # Seqs are dense in practice, so probing cursor + 1 avoids listing the whole log.
-        if self.store.exists(_log_path(stage, cursor + 1)):
-            seq = cursor + 1
-        else:
-            later = self.committed(stage, cursor)
-            if not later:
-                return None
-            seq = later[0]
-        return seq, self.read(stage, seq)
+        # Seqs are dense in practice, so reading cursor + 1 first avoids listing the whole log.
+        candidates, missing = [cursor + 1], set()
+        while candidates:
+            seq = candidates.pop(0)
+            try:
+                found = self.entry(stage, seq)
+            except FileNotFoundError:
+                if seq in missing:  # listed but not readable yet: try again on the next call
+                    return None
+                missing.add(seq)
+                # seq - 1, not seq: an entry committed at seq since the read must not be missed.
+                candidates = self.committed(stage, seq - 1)
+                continue
+            if found.table is not None:
+                return seq, found.table
+            log.warning("queue %s entry %d skipped (%s)", stage, seq, found.skipped)
+            if not candidates:
+                candidates = self.committed(stage, seq)
+        return None
 
     def depth(self, stage: str, cursor: int) -> int:
         """How many committed entries of `stage` lie after `cursor`."""
         return len(self.committed(stage, cursor))
+
+    # ---- quarantine -------------------------------------------------------------------------
+
+    def quarantine(self, stage: str, seq: int, reason: str) -> str:
+        """Move the payload of entry `seq` aside with `reason`; the log record stays in place.
+
+        The record is kept so the seq is never reused (a consumer past it would miss a new
+        entry); the reason file marks it as skipped for every reader. Idempotent and safe when
+        several readers find the same corruption.
+        """
+        base = f"quarantine/{stage}/{seq_name(seq)}"
+        payload = None
+        try:
+            record = json.loads(self.store.read_bytes(log_path(stage, seq)))
+            payload = record.get("payload") if isinstance(record, dict) else None
+        except (ValueError, FileNotFoundError):
+            pass
+        moved = ""
+        if isinstance(payload, str) and payload.startswith(f"data/{stage}/"):
+            try:
+                self.store.write_immutable(f"{base}.arrow", self.store.read_bytes(payload))
+                moved = f"{base}.arrow"
+            except FileNotFoundError:
+                pass
+        note = {"stage": stage, "seq": seq, "reason": reason, "payload": payload, "moved_to": moved}
+        note.update(time=time.time(), by=self.writer_id)
+        if self.store.create_if_absent(f"{base}.json", json.dumps(note).encode()):
+            log.error("queue %s entry %d quarantined: %s", stage, seq, reason)
+        if moved:
+            self.store.delete(payload)
+        return reason
+
+    def quarantine_reason(self, stage: str, seq: int) -> str:
+        path = f"quarantine/{stage}/{seq_name(seq)}.json"
+        if not self.store.exists(path):
+            return ""
+        try:
+            return str(json.loads(self.store.read_bytes(path)).get("reason", "unknown"))
+        except (ValueError, FileNotFoundError):
+            return "unreadable quarantine note"
+
+    def quarantined(self, stage: str) -> list[dict[str, Any]]:
+        """The quarantine notes of `stage`, oldest seq first."""
+        _check_stage(stage)
+        notes = []
+        for name in self.store.list_dir(f"quarantine/{stage}"):
+            if name.endswith(".json"):
+                try:
+                    notes.append(json.loads(self.store.read_bytes(f"quarantine/{stage}/{name}")))
+                except (ValueError, FileNotFoundError):
+                    notes.append({"stage": stage, "seq": name[:-5], "reason": "unreadable note"})
+        return notes
+
+    # ---- control ----------------------------------------------------------------------------
 
     def stop(self) -> None:
         """Ask every service of the run to exit (idempotent)."""
@@ -162,30 +383,15 @@ class TransferQueue:
             raise ValueError(f"heartbeat info must be JSON-serializable: {err}") from err
         self.store.write_replace(f"control/heartbeats/{role}-{worker_id}", data)
 
+    def heartbeats(self) -> list[dict[str, Any]]:
+        beats = []
+        for name in self.store.list_dir("control/heartbeats"):
+            try:
+                beats.append(json.loads(self.store.read_bytes(f"control/heartbeats/{name}")))
+            except (ValueError, FileNotFoundError):
+                continue
+        return beats
+
     def _tail(self, stage: str) -> int:
         seqs = self.committed(stage)
         return seqs[-1] + 1 if seqs else 0
-
-    def _record(self, stage: str, seq: int) -> dict[str, Any]:
-        path = _log_path(stage, seq)
-        raw = self.store.read_bytes(path)
-        try:
-            record = json.loads(raw)
-        except ValueError as err:
-            raise ValueError(f"corrupt commit record {self.store.url(path)}: {err}") from err
-        payload = record.get("payload") if isinstance(record, dict) else None
-        if not payload or not isinstance(payload, str):
-            raise ValueError(f"corrupt commit record {self.store.url(path)}: no 'payload' field")
-        return record
-
-    def _check_create_if_absent(self) -> None:
-        if self._create_checked:
-            return
-        probe = f"control/probe/{self.writer_id}-{uuid.uuid4().hex}"
-        if not probe_create_if_absent(self.store, probe):
-            raise RuntimeError(
-                f"storage at {self.store.url('')} does not enforce create-if-absent "
-                "(If-None-Match: *), so concurrent writers could overwrite each other's commits; "
-                "use storage that supports conditional writes"
-            )
-        self._create_checked = True

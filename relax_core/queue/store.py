@@ -12,26 +12,58 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
+import random
+import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from relax_core.queue.errors import (
+    StorageError,
+    StorageUnavailable,
+    is_access_denied,
+    is_missing_bucket,
+    is_precondition_failed,
+    is_transient,
+)
+
 _TMP_PREFIX = ".tmp-"
+T = TypeVar("T")
 
 
-def _is_precondition_failed(err: OSError) -> bool:
-    """Whether `err` is a refused conditional write (HTTP 412) rather than a real failure."""
-    text = " ".join(str(a) for a in (err, *err.args))
-    return "412" in text or "PreconditionFailed" in text or "Precondition Failed" in text
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retries for transient storage faults, on top of the client's own (s3fs retries too)."""
+
+    attempts: int = 4
+    """Tries per operation, the first included."""
+    base_delay_s: float = 0.1
+    """Delay before the second try; doubles per try, with jitter."""
+    max_delay_s: float = 2.0
+    """Upper bound of one delay."""
+
+    def delay(self, attempt: int) -> float:
+        return min(self.max_delay_s, self.base_delay_s * 2**attempt) * random.uniform(0.5, 1.0)
 
 
 class ObjectStore:
-    """Bytes under one root (a local directory or an fsspec URL), addressed by relative paths."""
+    """Bytes under one root (a local directory or an fsspec URL), addressed by relative paths.
+
+    Every remote call goes through `_call`: transient faults are retried with backoff, and
+    setup errors (wrong credentials, missing bucket, unreachable endpoint) become a StorageError
+    that names the URL and what to check.
+    """
 
     def __init__(
-        self, root: str, storage_options: dict[str, Any] | None = None, durable: bool = True
+        self,
+        root: str,
+        storage_options: dict[str, Any] | None = None,
+        durable: bool = True,
+        retry: RetryPolicy | None = None,
     ) -> None:
         """`durable=False` skips fsync on local disk: writes still survive a crash of the
         process (the page cache outlives it) but not of the machine."""
@@ -41,6 +73,8 @@ class ObjectStore:
         self.root = self.root.rstrip("/") or "/"
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.durable = durable
+        self.retry = retry or RetryPolicy()
+        self.retries_used = 0
         self._made_dirs: set[str] = set()
 
     def full_path(self, path: str) -> str:
@@ -51,21 +85,67 @@ class ObjectStore:
         """`path` as a URL a person can paste (protocol included for remote stores)."""
         return self.fs.unstrip_protocol(self.full_path(path))
 
+    def _call(self, what: str, path: str, fn: Callable[[], T], attempts: int | None = None) -> T:
+        """Run `fn` with retries on transient faults; classify what finally fails."""
+        attempts = attempts or self.retry.attempts
+        for attempt in range(attempts):
+            try:
+                return fn()
+            except Exception as err:
+                if is_precondition_failed(err):
+                    raise
+                if is_access_denied(err):
+                    raise StorageError(
+                        f"access denied {what} {self.url(path)}: check the credentials "
+                        "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or storage_options) and the "
+                        f"bucket policy ({err})"
+                    ) from err
+                if is_missing_bucket(err):
+                    raise StorageError(
+                        f"the bucket of {self.url(path)} does not exist: create it or fix the "
+                        "queue root"
+                    ) from err
+                if not is_transient(err):
+                    raise
+                if attempt + 1 == attempts:
+                    raise StorageUnavailable(
+                        f"storage at {self.url(path)} failed {attempts} times {what} "
+                        f"({type(err).__name__}: {err}); check that the endpoint is reachable"
+                    ) from err
+                self.retries_used += 1
+                time.sleep(self.retry.delay(attempt))
+        raise AssertionError("unreachable")
+
+    def check_access(self) -> None:
+        """Write, read back and delete a probe object; a StorageError says what is wrong."""
+        path = f"control/probe/access-{uuid.uuid4().hex}"
+        self.write_replace(path, b"probe")
+        if self.read_bytes(path) != b"probe":
+            raise StorageError(f"storage at {self.url(path)} returned other bytes than written")
+        self.delete(path)
+
     def create_if_absent(self, path: str, data: bytes) -> bool:
         """Write `data` at `path` only if nothing is there; True if this call created it."""
         full = self.full_path(path)
         if self.is_local:
             return self._local_create_if_absent(full, data)
-        try:
-            with self.fs.open(full, "xb") as f:
-                f.write(data)
-        except FileExistsError:
-            return False
-        except OSError as err:
-            if _is_precondition_failed(err):
-                return False
-            raise
-        return True
+        for attempt in range(self.retry.attempts):
+            try:
+                with self.fs.open(full, "xb") as f:
+                    f.write(data)
+                return True
+            except Exception as err:
+                if is_precondition_failed(err):
+                    if attempt == 0:
+                        return False
+                    # An earlier try may have been applied with its reply lost: the object
+                    # is ours exactly when it holds our bytes (records carry a unique payload).
+                    return self.read_bytes(path) == data
+                if not is_transient(err) or attempt + 1 == self.retry.attempts:
+                    return self._call("creating", path, _reraise(err), attempts=1)
+                self.retries_used += 1
+                time.sleep(self.retry.delay(attempt))
+        raise AssertionError("unreachable")
 
     def write_immutable(self, path: str, data: bytes) -> None:
         """Write a payload that is never rewritten; readers see all of it or nothing."""
@@ -75,7 +155,7 @@ class ObjectStore:
             os.replace(tmp, full)
             self._fsync_dir(posixpath.dirname(full))
         else:
-            self.fs.pipe_file(full, data)
+            self._call("writing", path, lambda: self.fs.pipe_file(full, data))
 
     def write_replace(self, path: str, data: bytes) -> None:
         """Write or overwrite `path` atomically (for small status objects such as heartbeats)."""
@@ -83,7 +163,7 @@ class ObjectStore:
         if self.is_local:
             os.replace(self._local_write_tmp(full, data, fsync=False), full)
         else:
-            self.fs.pipe_file(full, data)
+            self._call("writing", path, lambda: self.fs.pipe_file(full, data))
 
     def read_bytes(self, path: str) -> bytes:
         """All bytes at `path`; FileNotFoundError naming the path if it is absent."""
@@ -92,7 +172,7 @@ class ObjectStore:
             if self.is_local:
                 with open(full, "rb") as f:
                     return f.read()
-            return self.fs.cat_file(full)
+            return self._call("reading", path, lambda: self.fs.cat_file(full))
         except FileNotFoundError as err:
             raise FileNotFoundError(f"no object at {self.url(path)}") from err
 
@@ -108,25 +188,36 @@ class ObjectStore:
             except FileNotFoundError:
                 return []
             return sorted(n for n in names if not n.startswith(_TMP_PREFIX))
-        self.fs.invalidate_cache(full)
-        try:
-            entries = self.fs.ls(full, detail=False)
-        except FileNotFoundError:
-            return []
-        names = (posixpath.basename(e.rstrip("/")) for e in entries)
+
+        def ls() -> list[str]:
+            self.fs.invalidate_cache(full)
+            try:
+                return self.fs.ls(full, detail=False)
+            except FileNotFoundError:
+                return []
+
+        names = (posixpath.basename(e.rstrip("/")) for e in self._call("listing", prefix, ls))
         return sorted(n for n in names if n and not n.startswith(_TMP_PREFIX))
 
     def exists(self, path: str) -> bool:
         full = self.full_path(path)
         if self.is_local:
             return os.path.exists(full)
-        self.fs.invalidate_cache(posixpath.dirname(full))
-        return self.fs.exists(full)
+
+        def exists() -> bool:
+            self.fs.invalidate_cache(posixpath.dirname(full))
+            return self.fs.exists(full)
+
+        return self._call("checking", path, exists)
 
     def delete(self, path: str) -> None:
-        """Remove `path` if present (used for probe objects only; payloads are never deleted here)."""
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(self.full_path(path))
+        """Remove `path` if present (probe objects and payloads moved to quarantine)."""
+
+        def rm() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self.full_path(path))
+
+        self._call("deleting", path, rm)
 
     def _ensure_dir(self, directory: str) -> None:
         if directory not in self._made_dirs:
@@ -171,6 +262,13 @@ class ObjectStore:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _reraise(err: Exception) -> Callable[[], bool]:
+    def again() -> bool:
+        raise err
+
+    return again
 
 
 def probe_create_if_absent(store: ObjectStore, path: str) -> bool:

@@ -6,8 +6,10 @@ import json
 import os
 import threading
 
+import fsspec
 import pyarrow as pa
 import pytest
+from fsspec.implementations.memory import MemoryFileSystem
 
 from relax_core.queue import (
     ROW_SCHEMA,
@@ -306,17 +308,28 @@ def test_stop_and_heartbeat_are_seen_by_other_queue_objects(tmp_path) -> None:
     assert watcher.stopped()
 
 
-def test_storage_that_ignores_create_if_absent_is_refused() -> None:
-    queue = TransferQueue("memory://relax-queue-test", "run")
-    assert not queue.store.is_local
+class _IgnoresConditionFS(MemoryFileSystem):
+    """In-memory storage that accepts an exclusive create over an existing object, as S3
+    servers without If-None-Match support do."""
 
-    def ignoring_create(path: str, data: bytes) -> bool:
-        queue.store.fs.pipe_file(queue.store.full_path(path), data)
-        return True
+    protocol = "memory-nocondition"
 
-    queue.store.create_if_absent = ignoring_create
-    with pytest.raises(RuntimeError, match="does not enforce create-if-absent"):
+    def _open(self, path, mode="rb", **kwargs):
+        return super()._open(path, mode.replace("x", "w"), **kwargs)
+
+
+fsspec.register_implementation("memory-nocondition", _IgnoresConditionFS, clobber=True)
+
+
+def test_storage_that_ignores_create_if_absent_is_refused_for_multiple_writers(caplog) -> None:
+    queue = TransferQueue("memory-nocondition://q1", "run")
+    with pytest.raises(RuntimeError, match="does not enforce create-if-absent.*multi_writer=False"):
         queue.put("rollout", rows_to_table(_group_rows(1, 1)))
+    assert queue.committed("rollout") == []
+    single = TransferQueue("memory-nocondition://q1", "run", multi_writer=False)
+    assert single.probe() is False
+    assert "single-writer mode only" in caplog.text
+    assert single.put("rollout", rows_to_table(_group_rows(1, 1))) == 0
 
 
 def test_fsspec_backend_without_local_disk_round_trips() -> None:

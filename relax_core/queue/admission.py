@@ -1,0 +1,160 @@
+"""Staleness as admission control: bound how far rollout runs ahead instead of discarding.
+
+Pure functions (no I/O) shared by rollout workers and the trainer; `AdmissionLedger` keeps the
+one shared count they need (groups started, by policy version) on the queue's storage.
+
+With `k = max_staleness` and `G = groups_per_step`:
+- rollout may start a group under policy version v only while `started < (v + k + 1) * G`;
+- the trainer fills a step batch oldest behaviour version first and does not take a group while
+  a group of an older version is still being generated (`select_step_groups`).
+Together these bound the staleness of every trained group by k: the groups trained in steps
+0..s-1 are always the s*G oldest admitted, and a group admitted as the i-th under version v has
+i < (v + k + 1) * G, so it is trained at a step <= v + k. A hard drop of over-stale groups is
+only a configured backstop (`split_over_stale`), counted by the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from relax_core.queue.queue import TransferQueue, parse_seq, seq_name
+
+
+def _check(max_staleness: int, groups_per_step: int) -> None:
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+    if groups_per_step < 1:
+        raise ValueError(f"groups_per_step must be >= 1, got {groups_per_step}")
+
+
+def admission_limit(policy_version: int, max_staleness: int, groups_per_step: int) -> int:
+    """How many groups may have been started in total while the policy is at `policy_version`."""
+    _check(max_staleness, groups_per_step)
+    return (policy_version + max_staleness + 1) * groups_per_step
+
+
+def may_start_group(
+    groups_started: int, policy_version: int, max_staleness: int, groups_per_step: int
+) -> bool:
+    """Whether rollout may start one more group now."""
+    return groups_started < admission_limit(policy_version, max_staleness, groups_per_step)
+
+
+def admissible(
+    groups_started: int, policy_version: int, max_staleness: int, groups_per_step: int
+) -> int:
+    """How many more groups rollout may start now (0 = wait for the next policy version)."""
+    limit = admission_limit(policy_version, max_staleness, groups_per_step)
+    return max(0, limit - groups_started)
+
+
+def select_step_groups(
+    available: Sequence[tuple[str, int]], in_flight_versions: Iterable[int], groups_per_step: int
+) -> list[str] | None:
+    """The group ids of the next step batch, or None if it cannot be filled yet.
+
+    `available`: (group_id, behaviour_version_min) of finished, untrained groups.
+    `in_flight_versions`: behaviour versions of groups started but not finished.
+    Oldest version first; a group newer than the oldest in-flight group is not eligible (taking
+    it would let that older group fall behind the staleness bound).
+    """
+    oldest_in_flight = min(in_flight_versions, default=None)
+    eligible = sorted(
+        (version, group_id)
+        for group_id, version in available
+        if oldest_in_flight is None or version <= oldest_in_flight
+    )
+    if len(eligible) < groups_per_step:
+        return None
+    return [group_id for _, group_id in eligible[:groups_per_step]]
+
+
+def staleness(train_version: int, behaviour_version_min: int) -> int:
+    """Versions between the weights that generated a sample and the weights that train on it."""
+    return train_version - behaviour_version_min
+
+
+def staleness_histogram(train_version: int, behaviour_versions: Iterable[int]) -> dict[int, int]:
+    """staleness -> count, e.g. over the groups of one step batch."""
+    return dict(sorted(Counter(staleness(train_version, v) for v in behaviour_versions).items()))
+
+
+def split_over_stale(
+    table: pa.Table, train_version: int, max_staleness: int
+) -> tuple[pa.Table, int]:
+    """(rows of groups within the bound, number of whole groups dropped): the backstop."""
+    if table.num_rows == 0:
+        return table, 0
+    oldest = table.group_by("group_id").aggregate([("behaviour_version_min", "min")])
+    versions = oldest.column("behaviour_version_min_min")
+    stale = pc.less(versions, train_version - max_staleness)
+    stale_ids = pc.filter(oldest.column("group_id"), stale)
+    if len(stale_ids) == 0:
+        return table, 0
+    keep = pc.invert(pc.is_in(table.column("group_id"), value_set=stale_ids))
+    return table.filter(keep), len(stale_ids)
+
+
+class AdmissionLedger:
+    """The shared count of started groups: `tickets/{first:020d}` records of admitted blocks.
+
+    Each record admits `count` groups under one policy version; the next block starts at
+    first + count and is created only if absent, so concurrent rollout workers never admit more
+    than the limit between them.
+    """
+
+    def __init__(self, queue: TransferQueue) -> None:
+        self.queue = queue
+
+    def _last(self) -> tuple[int, dict] | None:
+        names = [n for n in self.queue.store.list_dir("tickets") if parse_seq(n) is not None]
+        if not names:
+            return None
+        first = int(names[-1])
+        return first, json.loads(self.queue.store.read_bytes(f"tickets/{names[-1]}"))
+
+    def started(self) -> int:
+        last = self._last()
+        return 0 if last is None else last[0] + int(last[1]["count"])
+
+    def try_admit(
+        self,
+        want: int,
+        policy_version: int,
+        max_staleness: int,
+        groups_per_step: int,
+        worker: str = "",
+    ) -> tuple[int, int]:
+        """Admit up to `want` groups now: (first ticket, count); count 0 means wait."""
+        if want < 1:
+            raise ValueError(f"want must be >= 1, got {want}")
+        while True:
+            started = self.started()
+            count = min(want, admissible(started, policy_version, max_staleness, groups_per_step))
+            if count == 0:
+                return started, 0
+            body = {
+                "count": count,
+                "policy_version": policy_version,
+                "worker": worker,
+                "time": time.time(),
+            }
+            if self.queue.store.create_if_absent(
+                f"tickets/{seq_name(started)}", json.dumps(body).encode()
+            ):
+                return started, count
+
+    def started_by_version(self) -> dict[int, int]:
+        """policy version -> groups admitted under it."""
+        counts: Counter[int] = Counter()
+        for name in self.queue.store.list_dir("tickets"):
+            if parse_seq(name) is not None:
+                body = json.loads(self.queue.store.read_bytes(f"tickets/{name}"))
+                counts[int(body["policy_version"])] += int(body["count"])
+        return dict(sorted(counts.items()))

@@ -1,0 +1,330 @@
+"""The queue as a bus between workers: keyed commits, leases, quarantine, cursors, retries."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import fsspec
+import pyarrow as pa
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+
+from relax_core.queue import (
+    RetryPolicy,
+    StageCursor,
+    StageWorker,
+    StorageError,
+    StorageUnavailable,
+    TransferQueue,
+    rows_to_table,
+    table_to_rows,
+    with_columns,
+)
+from relax_core.queue.store import ObjectStore
+from tests.unit.test_queue import _group_rows
+
+
+def _ids(table: pa.Table) -> list[str]:
+    return sorted(set(table.column("group_id").to_pylist()))
+
+
+# --- keyed commits and tombstones ---------------------------------------------------------------
+
+
+def test_commit_at_a_seq_lands_once_and_readers_see_the_first(tmp_path) -> None:
+    queue = TransferQueue(str(tmp_path), "run")
+    first, second = rows_to_table(_group_rows(1, 2, "a")), rows_to_table(_group_rows(1, 2, "b"))
+    assert queue.commit("ref", 5, first, {"worker": "w1"}) is True
+    assert queue.commit("ref", 5, second, {"worker": "w2"}) is False
+    assert queue.read("ref", 5).equals(first)
+    assert queue.record("ref", 5)["meta"] == {"worker": "w1"}
+
+
+def test_tombstone_fills_a_seq_and_next_passes_over_it(tmp_path, caplog) -> None:
+    queue = TransferQueue(str(tmp_path), "run")
+    queue.commit_tombstone("ref", 0, "rollout entry 0 quarantined")
+    queue.commit("ref", 1, rows_to_table(_group_rows(1, 2)))
+    entry = queue.entry("ref", 0)
+    assert entry.table is None and "rollout entry 0 quarantined" in entry.skipped
+    seq, table = queue.next("ref", -1)
+    assert seq == 1 and table.num_rows == 2
+    assert "ref entry 0 skipped" in caplog.text
+
+
+def test_record_counts_groups_per_behaviour_version(tmp_path) -> None:
+    queue = TransferQueue(str(tmp_path), "run")
+    rows = _group_rows(3, 2)
+    for row in rows:
+        row["behaviour_version_min"] = 4 if row["group_id"] == "g0" else 5
+    rows[5]["behaviour_version_min"] = 3  # a group's version is its oldest row's
+    queue.put("rollout", rows_to_table(rows))
+    assert queue.record("rollout", 0)["versions"] == {"4": 1, "5": 1, "3": 1}
+
+
+# --- quarantine ---------------------------------------------------------------------------------
+
+
+def _corrupt_truncate(queue: TransferQueue, seq: int) -> None:
+    path = queue.store.full_path(queue.record("rollout", seq)["payload"])
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 3])
+
+
+def _corrupt_foreign_schema(queue: TransferQueue, seq: int) -> None:
+    path = queue.store.full_path(queue.record("rollout", seq)["payload"])
+    foreign = pa.table({"x": [1, 2, 3]})
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, foreign.schema) as writer:
+        writer.write_table(foreign)
+
+
+def _corrupt_record(queue: TransferQueue, seq: int) -> None:
+    with open(queue.store.full_path(f"log/rollout/{seq:020d}"), "w") as f:
+        f.write("{not json")
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "reason"),
+    [
+        (_corrupt_truncate, "corrupt or truncated queue payload"),
+        (_corrupt_foreign_schema, "missing columns"),
+        (_corrupt_record, "corrupt commit record"),
+    ],
+)
+def test_corrupt_entry_is_quarantined_with_its_reason_and_reading_goes_on(
+    tmp_path, caplog, corrupt, reason
+) -> None:
+    queue = TransferQueue(str(tmp_path), "run")
+    tables = [rows_to_table(_group_rows(2, 2, f"s{i}-")) for i in range(3)]
+    for table in tables:
+        queue.put("rollout", table)
+    corrupt(queue, 1)
+    with caplog.at_level(logging.ERROR):
+        got = [queue.next("rollout", -1), queue.next("rollout", 0)]
+    assert [seq for seq, _ in got] == [0, 2]
+    assert got[1][1].equals(tables[2])
+    notes = queue.quarantined("rollout")
+    assert [(n["seq"], reason in n["reason"]) for n in notes] == [(1, True)]
+    assert "rollout entry 1 quarantined" in caplog.text
+    # The seq stays taken (a later put does not reuse it) and a second reader sees the same
+    # reason even though the payload is gone from data/.
+    assert queue.put("rollout", tables[0]) == 3
+    other = TransferQueue(str(tmp_path), "run")
+    entry = other.entry("rollout", 1)
+    assert entry.table is None and reason in entry.skipped
+    assert len(other.quarantined("rollout")) == 1
+
+
+def test_quarantine_moves_the_payload_bytes_aside(tmp_path) -> None:
+    queue = TransferQueue(str(tmp_path), "run")
+    queue.put("rollout", rows_to_table(_group_rows(1, 2)))
+    payload = queue.record("rollout", 0)["payload"]
+    _corrupt_truncate(queue, 0)
+    kept = queue.store.read_bytes(payload)
+    queue.entry("rollout", 0)
+    assert not queue.store.exists(payload)
+    note = queue.quarantined("rollout")[0]
+    assert queue.store.read_bytes(note["moved_to"]) == kept
+
+
+# --- leases -------------------------------------------------------------------------------------
+
+
+def _add_ref(table: pa.Table) -> pa.Table:
+    return with_columns(
+        table, ref_logprobs=[[-1.0] * len(r) for r in table["response_ids"].to_pylist()]
+    )
+
+
+def test_two_workers_split_a_stage_and_each_entry_is_output_once(tmp_path) -> None:
+    queue = TransferQueue(str(tmp_path), "run")
+    for i in range(6):
+        queue.put("rollout", rows_to_table(_group_rows(1, 2, f"p{i}-")))
+    a = StageWorker(TransferQueue(str(tmp_path), "run"), "rollout", "ref", "a", lease_ttl_s=60)
+    b = StageWorker(TransferQueue(str(tmp_path), "run"), "rollout", "ref", "b", lease_ttl_s=60)
+    lease_a, lease_b = a.claim_next(), b.claim_next()
+    assert (lease_a.seq, lease_b.seq) == (0, 1)
+    assert a.complete(lease_a, _add_ref(queue.read("rollout", 0)))
+    for worker in (b, a, b, a):  # interleaved; b still holds seq 1, so nobody takes it
+        lease = worker.claim_next()
+        assert lease.seq not in (0, 1)
+        worker.complete(lease, _add_ref(queue.read("rollout", lease.seq)))
+    assert a.claim_next() is None and b.pending() == [1]
+    assert b.complete(lease_b, _add_ref(queue.read("rollout", 1)))
+    assert queue.committed("ref") == list(range(6)) and a.pending() == []
+    groups = [g for s in range(6) for g in _ids(queue.read("ref", s))]
+    assert sorted(groups) == sorted(f"p{i}-g0" for i in range(6))
+
+
+def test_expired_lease_is_taken_over_and_the_late_worker_cannot_add_a_copy(tmp_path) -> None:
+    queue = TransferQueue(str(tmp_path), "run")
+    queue.put("rollout", rows_to_table(_group_rows(1, 2)))
+    slow = StageWorker(queue, "rollout", "ref", "slow", lease_ttl_s=0.2)
+    other = StageWorker(queue, "rollout", "ref", "other", lease_ttl_s=60)
+    held = slow.claim_next()
+    assert other.claim_next() is None  # lease still valid
+    time.sleep(0.3)
+    taken = other.claim_next()
+    assert (taken.seq, taken.attempt, other.taken_over) == (0, 1, 1)
+    table = _add_ref(queue.read("rollout", 0))
+    assert other.complete(taken, table) is True
+    assert slow.complete(held, table) is False  # the slow worker wakes up too late
+    assert queue.record("ref", 0)["meta"]["worker"] == "other"
+    assert slow.claim_next() is None
+
+
+def test_renewed_lease_is_not_taken_over(tmp_path) -> None:
+    queue = TransferQueue(str(tmp_path), "run")
+    queue.put("rollout", rows_to_table(_group_rows(1, 2)))
+    holder = StageWorker(queue, "rollout", "ref", "h", lease_ttl_s=0.3)
+    other = StageWorker(queue, "rollout", "ref", "o", lease_ttl_s=0.3)
+    lease = holder.claim_next()
+    for _ in range(3):
+        time.sleep(0.15)
+        lease = holder.renew(lease)
+        assert other.claim_next() is None
+
+
+def test_worker_turns_a_quarantined_input_into_a_tombstone(tmp_path) -> None:
+    queue = TransferQueue(str(tmp_path), "run")
+    queue.put("rollout", rows_to_table(_group_rows(1, 2, "a")))
+    queue.put("rollout", rows_to_table(_group_rows(1, 2, "b")))
+    _corrupt_truncate(queue, 0)
+    worker = StageWorker(queue, "rollout", "ref", "w")
+    claimed = [(lease.seq, _ids(entry.table)) for lease, entry in worker.claim()]
+    # The generator yields seq 1 only; seq 0 was answered with a tombstone on the way.
+    assert claimed == [(1, ["bg0"])]
+    assert "quarantined" in queue.record("ref", 0)["tombstone"]
+    assert worker.pending() == [1]
+
+
+# --- cursor -------------------------------------------------------------------------------------
+
+
+def test_stage_cursor_handles_out_of_order_and_refuses_repeats() -> None:
+    cursor = StageCursor()
+    for seq in (1, 3, 0):
+        cursor.advance(seq)
+    assert cursor.to_dict() == {"through": 1, "beyond": [3]}
+    assert cursor.unconsumed([0, 1, 2, 3, 4]) == [2, 4]
+    with pytest.raises(ValueError, match="seq 3 was already consumed"):
+        cursor.advance(3)
+    restored = StageCursor.from_dict(json.loads(json.dumps(cursor.to_dict())))
+    restored.advance(2)
+    assert restored.to_dict() == {"through": 3, "beyond": []}
+    with pytest.raises(ValueError, match="bad stage cursor"):
+        StageCursor.from_dict({"through": 2, "beyond": [1]})
+
+
+# --- retries and storage errors -----------------------------------------------------------------
+
+
+class _FlakyFS(MemoryFileSystem):
+    """In-memory storage whose next `failures` calls fail like a dropped connection; with
+    `apply_then_fail` the failing write is applied before the error (a lost reply)."""
+
+    protocol = "memory-flaky"
+    failures = 0
+    apply_then_fail = False
+
+    def _maybe_fail(self) -> None:
+        if type(self).failures > 0:
+            type(self).failures -= 1
+            raise ConnectionResetError("connection reset by peer")
+
+    def cat_file(self, path, *args, **kwargs):
+        self._maybe_fail()
+        return super().cat_file(path, *args, **kwargs)
+
+    def pipe_file(self, path, value, *args, **kwargs):
+        self._maybe_fail()
+        return super().pipe_file(path, value, *args, **kwargs)
+
+    def _open(self, path, mode="rb", **kwargs):
+        if "x" in mode and type(self).apply_then_fail and type(self).failures > 0:
+            return _LostReply(super()._open(path, mode, **kwargs), self)
+        if "x" in mode:
+            self._maybe_fail()
+        return super()._open(path, mode, **kwargs)
+
+
+class _LostReply:
+    """A write handle whose close applies the write and then fails like a dropped reply."""
+
+    def __init__(self, inner, fs: _FlakyFS) -> None:
+        self.inner, self.fs = inner, fs
+
+    def write(self, data: bytes) -> int:
+        return self.inner.write(data)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.inner.close()
+        self.fs._maybe_fail()
+
+
+fsspec.register_implementation("memory-flaky", _FlakyFS, clobber=True)
+_FAST = RetryPolicy(attempts=4, base_delay_s=0.001, max_delay_s=0.002)
+
+
+def test_transient_errors_are_retried_and_counted() -> None:
+    store = ObjectStore("memory-flaky://retry-1", retry=_FAST)
+    _FlakyFS.failures = 3
+    store.write_immutable("a", b"x")
+    assert store.read_bytes("a") == b"x"
+    assert store.retries_used == 3
+
+
+def test_storage_failing_every_retry_names_the_url() -> None:
+    store = ObjectStore("memory-flaky://retry-2", retry=_FAST)
+    _FlakyFS.failures = 10
+    with pytest.raises(StorageUnavailable, match=r"memory-flaky://retry-2/a failed 4 times"):
+        store.write_immutable("a", b"x")
+    _FlakyFS.failures = 0
+
+
+def test_create_whose_reply_was_lost_is_recognised_as_ours() -> None:
+    store = ObjectStore("memory-flaky://retry-3", retry=_FAST)
+    _FlakyFS.failures, _FlakyFS.apply_then_fail = 1, True
+    try:
+        # The first try lands but reports a reset; the retry then sees "exists" with our bytes.
+        assert store.create_if_absent("log/x", b"mine") is True
+        assert store.retries_used == 1
+        assert store.create_if_absent("log/x", b"theirs") is False
+    finally:
+        _FlakyFS.failures, _FlakyFS.apply_then_fail = 0, False
+
+
+class _DeniedFS(MemoryFileSystem):
+    protocol = "memory-denied"
+
+    def pipe_file(self, path, value, *args, **kwargs):
+        raise PermissionError("The AWS Access Key Id you provided does not exist")
+
+
+fsspec.register_implementation("memory-denied", _DeniedFS, clobber=True)
+
+
+def test_denied_access_is_reported_at_probe_with_the_prefix_and_no_retry() -> None:
+    queue = TransferQueue("memory-denied://bucket/prefix", "run1", retry=_FAST)
+    with pytest.raises(StorageError, match=r"access denied writing memory-denied://bucket/prefix"):
+        queue.probe()
+    assert queue.store.retries_used == 0
+
+
+def test_rows_survive_the_bus_unchanged(tmp_path) -> None:
+    # One group through put -> worker -> commit -> cursor reader keeps every value.
+    queue = TransferQueue(str(tmp_path), "run")
+    rows = _group_rows(2, 3)
+    queue.put("rollout", rows_to_table(rows))
+    worker = StageWorker(queue, "rollout", "ref", "w")
+    for lease, entry in worker.claim():
+        worker.complete(lease, _add_ref(entry.table))
+    out = table_to_rows(queue.read("ref", 0))
+    assert [r["uid"] for r in out] == [r["uid"] for r in rows]
+    assert all(r["ref_logprobs"] == [-1.0, -1.0] for r in out)
