@@ -157,6 +157,19 @@ class TrainConfig:
 class QueueConfig:
     root: str = ".relax/queue"
     """TransferQueue root: a local path or an fsspec URL (s3://bucket/prefix)."""
+    endpoint_url: str = ""
+    """S3 endpoint for s3:// roots (MinIO, SeaweedFS...); empty = AWS. Credentials come from the
+    usual AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY environment."""
+    lease_ttl_s: float = 60.0
+    """How long a worker's claim on an entry of a multi-consumer stage lasts unless renewed."""
+    retry_attempts: int = 4
+    """Tries per storage operation on transient faults (the first included)."""
+
+    def storage_options(self) -> dict:
+        """fsspec options for `root`."""
+        if self.endpoint_url:
+            return {"client_kwargs": {"endpoint_url": self.endpoint_url}}
+        return {}
 
 
 @dataclass(frozen=True)
@@ -361,6 +374,16 @@ def validate(cfg: RunConfig) -> list[str]:
     if cfg.mode == "colocate" and r.max_staleness != 0:
         e.append("rollout.max_staleness: colocate mode is strict on-policy and needs 0")
     _positive(e, "rollout.max_staleness", r.max_staleness, allow_zero=True)
+    q = cfg.queue
+    if not q.root:
+        e.append("queue.root: required (a local directory or s3://bucket/prefix)")
+    if q.endpoint_url and not q.root.startswith(("s3://", "s3a://")):
+        e.append(f"queue.endpoint_url: only used with an s3:// root, but root is {q.root!r}")
+    if q.endpoint_url and not q.endpoint_url.startswith(("http://", "https://")):
+        e.append(f"queue.endpoint_url: must start with http:// or https://, got {q.endpoint_url!r}")
+    if not q.lease_ttl_s > 0:
+        e.append(f"queue.lease_ttl_s: must be > 0, got {q.lease_ttl_s}")
+    _positive(e, "queue.retry_attempts", q.retry_attempts)
     if not cfg.reward.name:
         e.append("reward.name: required (a registered reward or 'module:function')")
     a = cfg.algorithm

@@ -12,6 +12,7 @@ from relax_core.queue.admission import (
 from relax_core.queue.claims import Lease, StageWorker
 from relax_core.queue.cursor import StageCursor
 from relax_core.queue.errors import StorageError, StorageUnavailable
+from relax_core.queue.open import check_queue_storage, open_queue
 from relax_core.queue.queue import STAGES, CorruptEntry, Entry, TransferQueue
 from relax_core.queue.schema import (
     ROW_SCHEMA,
@@ -41,8 +42,10 @@ __all__ = [
     "TransferQueue",
     "admissible",
     "admission_limit",
+    "check_queue_storage",
     "check_whole_groups",
     "may_start_group",
+    "open_queue",
     "rows_to_table",
     "select_step_groups",
     "split_over_stale",

@@ -247,7 +247,11 @@ class TransferQueue:
                 f"queue payload {url} named by {stage} entry {seq} is missing"
             ) from err
         try:
-            table = validate_table(decode_table(data, url))
+            table = decode_table(data, url)
+        except ValueError as err:
+            raise CorruptEntry(str(err)) from err
+        try:
+            table = validate_table(table)
         except ValueError as err:
             raise CorruptEntry(f"queue payload {url}: {err}") from err
         if table.num_rows != record["rows"]:

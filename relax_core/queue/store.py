@@ -116,9 +116,9 @@ class ObjectStore:
                 time.sleep(self.retry.delay(attempt))
         raise AssertionError("unreachable")
 
-    def check_access(self) -> None:
+    def check_access(self, path: str = "") -> None:
         """Write, read back and delete a probe object; a StorageError says what is wrong."""
-        path = f"control/probe/access-{uuid.uuid4().hex}"
+        path = path or f"control/probe/access-{uuid.uuid4().hex}"
         self.write_replace(path, b"probe")
         if self.read_bytes(path) != b"probe":
             raise StorageError(f"storage at {self.url(path)} returned other bytes than written")
@@ -175,6 +175,20 @@ class ObjectStore:
             return self._call("reading", path, lambda: self.fs.cat_file(full))
         except FileNotFoundError as err:
             raise FileNotFoundError(f"no object at {self.url(path)}") from err
+
+    def read_many(self, paths: list[str]) -> dict[str, bytes]:
+        """path -> bytes for the paths that exist; remote reads go out concurrently."""
+        if self.is_local:
+            out = {}
+            for path in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    out[path] = self.read_bytes(path)
+            return out
+        if not paths:
+            return {}
+        full = {self.full_path(p): p for p in paths}
+        got = self._call("reading", paths[0], lambda: self.fs.cat(list(full), on_error="omit"))
+        return {full[k]: v for k, v in got.items() if k in full and isinstance(v, bytes)}
 
     def list_dir(self, prefix: str) -> list[str]:
         """Sorted names directly under `prefix` (not paths); [] if it does not exist.

@@ -54,6 +54,14 @@ def preflight(cfg: RunConfig) -> None:
         os.path.join(cfg.checkpoint.resume_from, ckpt.STATE_FILE)
     ):
         problems.append(f"checkpoint.resume_from: {cfg.checkpoint.resume_from} is not a checkpoint")
+    if not problems:
+        # Storage last: it may wait on retries, and a typo above is cheaper to report first.
+        from relax_core.queue import StorageError, check_queue_storage
+
+        try:
+            check_queue_storage(cfg.queue)
+        except (StorageError, RuntimeError, OSError) as exc:
+            problems.append(f"queue.root: {exc}")
     if problems:
         raise ConfigError("config cannot run:\n  - " + "\n  - ".join(problems))
 

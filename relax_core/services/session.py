@@ -20,7 +20,7 @@ from relax_core.config import RunConfig
 from relax_core.data.cursor import DatasetCursor
 from relax_core.data.dataset import load_prompts
 from relax_core.models.policy import load_policy
-from relax_core.queue import STAGES, TransferQueue
+from relax_core.queue import STAGES, open_queue
 from relax_core.rewards import resolve_reward
 from relax_core.rollout.torch_engine import TorchEngine
 from relax_core.services.prompts import PromptSource
@@ -80,7 +80,8 @@ class RunSession:
         self.eval_prompts = PromptSource(
             load_prompts(d.eval_path), self.tokenizer, d.template, d.system_prompt, cfg.seed, False
         )
-        self.queue = TransferQueue(cfg.queue.root, state.run_id)
+        # Colocate is the only writer of its queue; async roles write concurrently.
+        self.queue = open_queue(cfg.queue, state.run_id, multi_writer=cfg.mode != "colocate")
         self.run_dir = os.path.join(cfg.checkpoint.dir, state.run_id)
 
     # ------------------------------------------------------------------ checkpoints

@@ -1,0 +1,32 @@
+"""Open a run's queue from its config section, and the start-up check of the storage behind it."""
+
+from __future__ import annotations
+
+import uuid
+
+from relax_core.config import QueueConfig
+from relax_core.queue.queue import TransferQueue
+from relax_core.queue.store import ObjectStore, RetryPolicy, probe_create_if_absent
+
+
+def open_queue(cfg: QueueConfig, run_id: str, *, multi_writer: bool = True) -> TransferQueue:
+    return TransferQueue(
+        cfg.root,
+        run_id,
+        cfg.storage_options(),
+        multi_writer=multi_writer,
+        retry=RetryPolicy(attempts=cfg.retry_attempts),
+    )
+
+
+def check_queue_storage(cfg: QueueConfig, multi_writer: bool = False) -> None:
+    """Before a run starts: the root is reachable and writable with these credentials, and (for
+    several writers) enforces create-if-absent. Raises StorageError/RuntimeError naming the root."""
+    store = ObjectStore(cfg.root, cfg.storage_options(), retry=RetryPolicy(attempts=2))
+    store.check_access(f".relax-probe-{uuid.uuid4().hex}")
+    probe = f".relax-probe-{uuid.uuid4().hex}"
+    if multi_writer and not store.is_local and not probe_create_if_absent(store, probe):
+        raise RuntimeError(
+            f"storage at {store.url('')} does not enforce create-if-absent "
+            "(If-None-Match: *); several writers per stage need it"
+        )

@@ -1,0 +1,78 @@
+"""`relax queue`: what a person watching a run sees about its queue."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from relax_core.queue import StageWorker, TransferQueue, rows_to_table
+from relax_core.queue.__main__ import main
+from tests.unit.test_queue import _group_rows
+
+
+def _run_queue(root: str) -> TransferQueue:
+    queue = TransferQueue(root, "run-a")
+    for i in range(5):
+        rows = _group_rows(3, 2, f"p{i}-")
+        for row in rows:
+            row["behaviour_version_min"] = i // 2
+        queue.put("rollout", rows_to_table(rows), {"policy_version": i // 2})
+    worker = StageWorker(queue, "rollout", "ready", "w0")
+    for n, (lease, entry) in enumerate(worker.claim()):
+        meta = {"policy_version": 2}
+        worker.complete(lease, entry.table, meta)
+        if n == 2:
+            break
+    queue.heartbeat("trainer", "0", {"policy_version": 2})
+    return queue
+
+
+def test_summary_shows_backlog_staleness_quarantine_and_heartbeats(tmp_path, capsys) -> None:
+    queue = _run_queue(str(tmp_path))
+    with open(queue.store.full_path(queue.record("rollout", 4)["payload"]), "wb") as f:
+        f.write(b"not arrow")
+    queue.entry("rollout", 4)
+    assert main([str(tmp_path), "--run", "run-a"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    rollout = next(line for line in lines if line.startswith("rollout "))
+    # 5 entries, 15 groups, 30 rows, 2 not yet consumed by `ready`, 1 quarantined.
+    assert rollout.split() == ["rollout", "5", "15", "30", "2", "ready", "0", "1"]
+    assert "rollout 3 claimed (0 taken over)" in out
+    assert "rollout 4: corrupt or truncated queue payload" in out
+    # ready holds seqs 0-2: groups of versions 0, 0, 1 -> 6 at v0, 3 at v1; committed at v2,
+    # so staleness 2 for 6 groups and 1 for 3.
+    hist = out[out.index("'ready' groups by") :]
+    assert "0  " in hist and " 6" in hist and " 3" in hist
+    assert "staleness of 'ready' groups when committed" in out
+    assert "trainer-0" in out and "{'policy_version': 2}" in out
+
+
+def test_json_summary_and_run_listing(tmp_path, capsys) -> None:
+    _run_queue(str(tmp_path))
+    assert main([str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == ["run-a"]
+    assert main([str(tmp_path), "--run", "run-a", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    ready = summary["stages"]["ready"]
+    assert (ready["entries"], ready["groups"]) == (3, 9)
+    assert ready["lag_at_commit"] == {"1": 3, "2": 6}
+    assert summary["policy_version"] == 2 and summary["stopped"] is False
+
+
+def test_missing_run_is_an_error_naming_it(tmp_path, capsys) -> None:
+    _run_queue(str(tmp_path))
+    assert main([str(tmp_path), "--run", "nope"]) == 1
+    assert "no queue entries for run 'nope'" in capsys.readouterr().err
+
+
+def test_relax_console_script_runs_the_same_command(tmp_path) -> None:
+    _run_queue(str(tmp_path))
+    out = subprocess.run(
+        [sys.executable, "-m", "relax_core.cli", "queue", str(tmp_path), "--run", "run-a"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.startswith("run run-a")
