@@ -11,6 +11,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
+from tests import s3servers  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -86,3 +88,26 @@ def small_config(workdir):
         return str(path)
 
     return write
+
+
+def _s3_server(start, *args):
+    try:
+        server = start(*args)
+    except s3servers.ServerNotInstalled as err:
+        pytest.skip(str(err))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def moto_s3(tmp_path_factory):
+    """A moto S3 server (tests/s3servers.py) shared by the module, with the bucket `queue-bucket`."""
+    yield from _s3_server(s3servers.start_moto, str(tmp_path_factory.mktemp("moto")))
+
+
+@pytest.fixture(scope="module")
+def seaweed_s3(tmp_path_factory):
+    """A SeaweedFS (`weed mini`) S3 server shared by the module, with the bucket `queue-bucket`."""
+    yield from _s3_server(s3servers.start_seaweedfs, str(tmp_path_factory.mktemp("seaweed")))

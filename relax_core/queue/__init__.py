@@ -13,7 +13,8 @@ from relax_core.queue.claims import Lease, StageWorker
 from relax_core.queue.cursor import StageCursor
 from relax_core.queue.errors import StorageError, StorageUnavailable
 from relax_core.queue.open import check_queue_storage, open_queue
-from relax_core.queue.queue import STAGES, CorruptEntry, Entry, TransferQueue
+from relax_core.queue.queue import STAGES, Entry, TransferQueue
+from relax_core.queue.record import CorruptEntry
 from relax_core.queue.schema import (
     ROW_SCHEMA,
     SCHEMA_VERSION,

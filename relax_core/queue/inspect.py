@@ -6,7 +6,6 @@ notes of one run prefix and returns plain data; `render` turns it into the text 
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from typing import Any
@@ -14,7 +13,10 @@ from typing import Any
 from relax_core.queue.admission import AdmissionLedger
 from relax_core.queue.claims import latest_claims
 from relax_core.queue.queue import STAGES, TransferQueue, log_path, parse_seq
+from relax_core.queue.record import CorruptEntry, decode_header
 from relax_core.queue.store import ObjectStore
+
+_HEAD_BYTES = 16384
 
 # Which stage consumes which (a stage a run does not use simply has no entries).
 _CONSUMERS = {"rollout": ("ref", "fwd", "ready"), "ref": ("fwd", "ready"), "fwd": ("ready",)}
@@ -27,12 +29,17 @@ def list_runs(root: str, storage_options: dict[str, Any] | None = None) -> list[
 
 
 def _records(queue: TransferQueue, stage: str, seqs: list[int]) -> dict[int, dict[str, Any]]:
-    raw = queue.store.read_many([log_path(stage, s) for s in seqs])
+    """Commit record headers, read from the first bytes of each record (not inline payloads)."""
+    paths = [log_path(stage, s) for s in seqs]
+    heads = queue.store.read_many(paths, max_bytes=_HEAD_BYTES)
     out = {}
-    for seq in seqs:
+    for seq, path in zip(seqs, paths, strict=True):
+        raw = heads.get(path, b"")
+        if b"\n" not in raw and len(raw) == _HEAD_BYTES:  # an unusually long header
+            raw = queue.store.read_bytes(path)
         try:
-            out[seq] = json.loads(raw[log_path(stage, seq)])
-        except (KeyError, ValueError):
+            out[seq] = decode_header(raw, path)[0]
+        except CorruptEntry:
             out[seq] = {"corrupt": True}
     return out
 

@@ -22,7 +22,10 @@ def open_queue(cfg: QueueConfig, run_id: str, *, multi_writer: bool = True) -> T
 def check_queue_storage(cfg: QueueConfig, multi_writer: bool = False) -> None:
     """Before a run starts: the root is reachable and writable with these credentials, and (for
     several writers) enforces create-if-absent. Raises StorageError/RuntimeError naming the root."""
-    store = ObjectStore(cfg.root, cfg.storage_options(), retry=RetryPolicy(attempts=2))
+    # A fresh client: fsspec reuses instances with equal options, which would keep credentials
+    # read before the environment changed.
+    options = {**cfg.storage_options(), "skip_instance_cache": True}
+    store = ObjectStore(cfg.root, options, retry=RetryPolicy(attempts=2))
     store.check_access(f".relax-probe-{uuid.uuid4().hex}")
     probe = f".relax-probe-{uuid.uuid4().hex}"
     if multi_writer and not store.is_local and not probe_create_if_absent(store, probe):

@@ -17,6 +17,7 @@ A corrupt or foreign entry is moved to quarantine/ and skipped with a logged rea
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -28,6 +29,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from relax_core.queue.ipc import decode_table, encode_table
+from relax_core.queue.record import (
+    INLINE,
+    CorruptEntry,
+    decode_record,
+    encode_record,
+    version_counts,
+)
 from relax_core.queue.schema import validate_table
 from relax_core.queue.store import ObjectStore, RetryPolicy, probe_create_if_absent
 
@@ -61,10 +69,6 @@ def parse_seq(name: str) -> int | None:
     return None
 
 
-class CorruptEntry(ValueError):
-    """A committed entry whose record or payload cannot be used (truncated, wrong schema...)."""
-
-
 @dataclass(frozen=True)
 class Entry:
     """One committed entry as a consumer sees it: a table, or the reason it has none."""
@@ -75,19 +79,6 @@ class Entry:
     table: pa.Table | None
     skipped: str = ""
     """Why there is no table: the entry was quarantined, or it is an upstream tombstone."""
-
-
-def version_counts(table: pa.Table) -> dict[str, int]:
-    """Groups per behaviour_version_min (the oldest weights that produced any token of a group)."""
-    if table.num_rows == 0:
-        return {}
-    per_group = table.group_by("group_id").aggregate([("behaviour_version_min", "min")])
-    values = per_group.column("behaviour_version_min_min").to_pylist()
-    counts: dict[str, int] = {}
-    for v in values:
-        key = str(-1 if v is None else v)
-        counts[key] = counts.get(key, 0) + 1
-    return counts
 
 
 class TransferQueue:
@@ -102,11 +93,13 @@ class TransferQueue:
         durable: bool = True,
         multi_writer: bool = True,
         retry: RetryPolicy | None = None,
+        inline_max_bytes: int = 4 << 20,
     ) -> None:
-        """Open (and on object stores, probe) the queue of `run_id` under `root`.
+        """Open the queue of `run_id` under `root` (storage is probed before the first write).
 
         `durable=False` skips fsync on local disk (see ObjectStore). `multi_writer=False` lets a
-        single writer run on storage that does not enforce conditional creates.
+        single writer run on storage that does not enforce conditional creates. Payloads up to
+        `inline_max_bytes` travel inside their commit record (record.py).
         """
         _check_name_part("run_id", run_id)
         self.run_id = run_id
@@ -114,6 +107,7 @@ class TransferQueue:
         self.store = ObjectStore(root_url, storage_options, durable=durable, retry=retry)
         self.writer_id = uuid.uuid4().hex[:12]
         self.multi_writer = multi_writer
+        self.inline_max_bytes = inline_max_bytes
         # Next seq to try per stage. Only a hint: create_if_absent decides who owns a seq.
         self._next_seq: dict[str, int] = {}
         self._create_checked = self.store.is_local
@@ -145,8 +139,8 @@ class TransferQueue:
 
     # ---- writing ----------------------------------------------------------------------------
 
-    def _prepare(self, stage: str, table: pa.Table, meta: dict[str, Any] | None) -> dict[str, Any]:
-        """Validate, write the payload, and return the commit record (not yet committed)."""
+    def _prepare(self, stage: str, table: pa.Table, meta: dict[str, Any] | None) -> bytes:
+        """Validate, place the payload (inline or its own object), return the record bytes."""
         _check_stage(stage)
         table = validate_table(table)
         try:
@@ -155,21 +149,27 @@ class TransferQueue:
             raise ValueError(f"meta must be JSON-serializable: {err}") from err
         if not self._create_checked:
             self.probe()
-        payload = f"data/{stage}/{uuid.uuid4().hex}.arrow"
-        self.store.write_immutable(payload, encode_table(table))
-        return {
+        data = encode_table(table)
+        inline = len(data) <= self.inline_max_bytes
+        payload = INLINE if inline else f"data/{stage}/{uuid.uuid4().hex}.arrow"
+        if not inline:
+            self.store.write_immutable(payload, data)
+        record = {
             "payload": payload,
+            "bytes": len(data),
             "rows": table.num_rows,
             "groups": pc.count_distinct(table.column("group_id")).as_py(),
             "versions": version_counts(table),
             "created": time.time(),
             "writer": self.writer_id,
+            "nonce": uuid.uuid4().hex,  # makes every record's bytes unique (see create_if_absent)
             "meta": meta_json,
         }
+        return encode_record(record, data if inline else None)
 
     def put(self, stage: str, table: pa.Table, meta: dict[str, Any] | None = None) -> int:
         """Append `table` (ROW_SCHEMA rows, whole groups) to `stage`; returns its seq."""
-        data = json.dumps(self._prepare(stage, table, meta)).encode()
+        data = self._prepare(stage, table, meta)
         seq = self._next_seq.get(stage)
         if seq is None:
             seq = self._tail(stage)
@@ -185,11 +185,10 @@ class TransferQueue:
         """Commit `table` at exactly `seq` of `stage`; False if another writer got there first.
 
         The output of a 1:1 transform keeps its input's seq, so a retried or taken-over input
-        yields one output however many workers processed it. The loser's payload stays
-        unreferenced (invisible to readers).
+        yields one output however many workers processed it. A loser's separate payload object
+        (large entries) stays unreferenced, invisible to readers.
         """
-        data = json.dumps(self._prepare(stage, table, meta)).encode()
-        return self.store.create_if_absent(log_path(stage, seq), data)
+        return self.store.create_if_absent(log_path(stage, seq), self._prepare(stage, table, meta))
 
     def commit_tombstone(self, stage: str, seq: int, reason: str) -> bool:
         """Fill `seq` of `stage` with a record that carries no rows, only `reason`.
@@ -207,45 +206,39 @@ class TransferQueue:
             "writer": self.writer_id,
             "tombstone": reason,
         }
-        return self.store.create_if_absent(log_path(stage, seq), json.dumps(record).encode())
+        return self.store.create_if_absent(log_path(stage, seq), encode_record(record))
 
     # ---- reading ----------------------------------------------------------------------------
 
     def record(self, stage: str, seq: int) -> dict[str, Any]:
         """The commit record at `seq`: payload, rows, groups, versions, created, writer, meta."""
+        return self._read_record(stage, seq)[0]
+
+    def _read_record(self, stage: str, seq: int) -> tuple[dict[str, Any], bytes | None]:
         _check_stage(stage)
         path = log_path(stage, seq)
-        raw = self.store.read_bytes(path)
-        try:
-            record = json.loads(raw)
-        except ValueError as err:
-            raise CorruptEntry(f"corrupt commit record {self.store.url(path)}: {err}") from err
-        if not isinstance(record, dict) or "payload" not in record:
-            raise CorruptEntry(f"corrupt commit record {self.store.url(path)}: no 'payload' field")
-        payload = record["payload"]
-        if payload is None and not record.get("tombstone"):
-            raise CorruptEntry(f"commit record {self.store.url(path)} names no payload")
-        if payload is not None and not isinstance(payload, str):
-            raise CorruptEntry(f"corrupt commit record {self.store.url(path)}: bad 'payload'")
-        return record
+        return decode_record(self.store.read_bytes(path), self.store.url(path))
 
     def read(self, stage: str, seq: int) -> pa.Table:
         """The table committed at `seq` of `stage`; CorruptEntry naming the object if unusable."""
-        return self._load(stage, seq, self.record(stage, seq))
+        return self._load(stage, seq, *self._read_record(stage, seq))
 
-    def _load(self, stage: str, seq: int, record: dict[str, Any]) -> pa.Table:
+    def _load(self, stage: str, seq: int, record: dict[str, Any], inline: bytes | None) -> pa.Table:
         payload = record["payload"]
         if payload is None:
             raise CorruptEntry(
                 f"{stage} entry {seq} has no rows: {record.get('tombstone', 'tombstone')}"
             )
-        url = self.store.url(payload)
-        try:
-            data = self.store.read_bytes(payload)
-        except FileNotFoundError as err:
-            raise CorruptEntry(
-                f"queue payload {url} named by {stage} entry {seq} is missing"
-            ) from err
+        if inline is not None:
+            url, data = self.store.url(log_path(stage, seq)), inline
+        else:
+            url = self.store.url(payload)
+            try:
+                data = self.store.read_bytes(payload)
+            except FileNotFoundError as err:
+                raise CorruptEntry(
+                    f"queue payload {url} named by {stage} entry {seq} is missing"
+                ) from err
         try:
             table = decode_table(data, url)
         except ValueError as err:
@@ -266,12 +259,11 @@ class TransferQueue:
 
         FileNotFoundError if nothing is committed at `seq`.
         """
-        _check_stage(stage)
         try:
-            record = self.record(stage, seq)
+            record, inline = self._read_record(stage, seq)
             if record["payload"] is None:
                 return Entry(stage, seq, record, None, f"tombstone: {record['tombstone']}")
-            return Entry(stage, seq, record, self._load(stage, seq, record))
+            return Entry(stage, seq, record, self._load(stage, seq, record, inline))
         except CorruptEntry as err:
             # A quarantined entry's payload is gone, so its first reason is the one to report.
             reason = self.quarantine_reason(stage, seq) or self.quarantine(stage, seq, str(err))
@@ -317,32 +309,37 @@ class TransferQueue:
     # ---- quarantine -------------------------------------------------------------------------
 
     def quarantine(self, stage: str, seq: int, reason: str) -> str:
-        """Move the payload of entry `seq` aside with `reason`; the log record stays in place.
+        """Set entry `seq` aside with `reason`: its bytes are copied to quarantine/ (a separate
+        payload object is then deleted) and a note marks the seq as skipped for every reader.
 
-        The record is kept so the seq is never reused (a consumer past it would miss a new
-        entry); the reason file marks it as skipped for every reader. Idempotent and safe when
-        several readers find the same corruption.
+        The log record stays, so the seq is never reused (a consumer past it would miss a new
+        entry). Idempotent and safe when several readers find the same corruption.
         """
         base = f"quarantine/{stage}/{seq_name(seq)}"
-        payload = None
         try:
-            record = json.loads(self.store.read_bytes(log_path(stage, seq)))
-            payload = record.get("payload") if isinstance(record, dict) else None
-        except (ValueError, FileNotFoundError):
-            pass
-        moved = ""
+            raw = self.store.read_bytes(log_path(stage, seq))
+        except FileNotFoundError:
+            raw = b""
+        payload = None
+        with contextlib.suppress(CorruptEntry):
+            payload = decode_record(raw, "")[0]["payload"]
+        moved, source = "", None
         if isinstance(payload, str) and payload.startswith(f"data/{stage}/"):
+            source, target = payload, f"{base}.arrow"
+        elif raw:
+            source, target = log_path(stage, seq), f"{base}.record"
+        if source is not None:
             try:
-                self.store.write_immutable(f"{base}.arrow", self.store.read_bytes(payload))
-                moved = f"{base}.arrow"
+                self.store.write_immutable(target, self.store.read_bytes(source))
+                moved = target
             except FileNotFoundError:
                 pass
         note = {"stage": stage, "seq": seq, "reason": reason, "payload": payload, "moved_to": moved}
         note.update(time=time.time(), by=self.writer_id)
         if self.store.create_if_absent(f"{base}.json", json.dumps(note).encode()):
             log.error("queue %s entry %d quarantined: %s", stage, seq, reason)
-        if moved:
-            self.store.delete(payload)
+        if moved and source != log_path(stage, seq):
+            self.store.delete(source)
         return reason
 
     def quarantine_reason(self, stage: str, seq: int) -> str:

@@ -176,18 +176,27 @@ class ObjectStore:
         except FileNotFoundError as err:
             raise FileNotFoundError(f"no object at {self.url(path)}") from err
 
-    def read_many(self, paths: list[str]) -> dict[str, bytes]:
-        """path -> bytes for the paths that exist; remote reads go out concurrently."""
+    def read_many(self, paths: list[str], max_bytes: int = 0) -> dict[str, bytes]:
+        """path -> bytes (the first `max_bytes` if > 0) for the paths that exist; remote reads
+        go out concurrently."""
         if self.is_local:
             out = {}
             for path in paths:
-                with contextlib.suppress(FileNotFoundError):
-                    out[path] = self.read_bytes(path)
+                with contextlib.suppress(FileNotFoundError), open(self.full_path(path), "rb") as f:
+                    out[path] = f.read(max_bytes) if max_bytes > 0 else f.read()
             return out
         if not paths:
             return {}
         full = {self.full_path(p): p for p in paths}
-        got = self._call("reading", paths[0], lambda: self.fs.cat(list(full), on_error="omit"))
+
+        def cat() -> dict:
+            if max_bytes > 0:
+                starts, ends = [0] * len(full), [max_bytes] * len(full)
+                parts = self.fs.cat_ranges(list(full), starts, ends, on_error="return")
+                return dict(zip(full, parts, strict=True))
+            return self.fs.cat(list(full), on_error="omit")
+
+        got = self._call("reading", paths[0], cat)
         return {full[k]: v for k, v in got.items() if k in full and isinstance(v, bytes)}
 
     def list_dir(self, prefix: str) -> list[str]:

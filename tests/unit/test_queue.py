@@ -246,8 +246,23 @@ def test_two_writers_racing_in_threads_lose_no_record(tmp_path) -> None:
         assert [u for u in uids if u.startswith(f"w{w}-")] == [f"w{w}-{i}-g0-0" for i in range(8)]
 
 
+def test_small_entries_travel_inside_their_record_and_large_ones_in_their_own_object(
+    tmp_path,
+) -> None:
+    table = rows_to_table(_group_rows(2, 4))
+    small = TransferQueue(str(tmp_path), "small")
+    small.put("ready", table)
+    assert small.record("ready", 0)["payload"] == "inline"
+    assert not (tmp_path / "small" / "data").exists()
+    large = TransferQueue(str(tmp_path), "large", inline_max_bytes=100)
+    large.put("ready", table)
+    payload = large.record("ready", 0)["payload"]
+    assert payload.startswith("data/ready/") and (tmp_path / "large" / payload).is_file()
+    assert small.read("ready", 0).equals(table) and large.read("ready", 0).equals(table)
+
+
 def test_truncated_payload_raises_error_naming_the_object(tmp_path) -> None:
-    queue = TransferQueue(str(tmp_path), "run")
+    queue = TransferQueue(str(tmp_path), "run", inline_max_bytes=0)
     queue.put("ready", rows_to_table(_group_rows(2, 4)))
     payload = tmp_path / "run" / queue.record("ready", 0)["payload"]
     payload.write_bytes(payload.read_bytes()[: payload.stat().st_size // 2])
@@ -255,8 +270,17 @@ def test_truncated_payload_raises_error_naming_the_object(tmp_path) -> None:
         queue.read("ready", 0)
 
 
-def test_log_record_is_committed_only_after_its_payload_is_complete(tmp_path) -> None:
+def test_truncated_inline_record_raises_error_naming_it(tmp_path) -> None:
     queue = TransferQueue(str(tmp_path), "run")
+    queue.put("ready", rows_to_table(_group_rows(2, 4)))
+    record = tmp_path / "run" / "log" / "ready" / f"{0:020d}"
+    record.write_bytes(record.read_bytes()[:-10])
+    with pytest.raises(ValueError, match=f"commit record .*{record.name} holds .* payload bytes"):
+        queue.read("ready", 0)
+
+
+def test_log_record_is_committed_only_after_its_payload_is_complete(tmp_path) -> None:
+    queue = TransferQueue(str(tmp_path), "run", inline_max_bytes=0)
     table = rows_to_table(_group_rows(2, 2))
     original_create = queue.store.create_if_absent
     seen = []
@@ -274,7 +298,7 @@ def test_log_record_is_committed_only_after_its_payload_is_complete(tmp_path) ->
 
 
 def test_failed_payload_write_leaves_nothing_visible(tmp_path) -> None:
-    queue = TransferQueue(str(tmp_path), "run")
+    queue = TransferQueue(str(tmp_path), "run", inline_max_bytes=0)
 
     def failing_write(path: str, data: bytes) -> None:
         raise OSError("disk full")

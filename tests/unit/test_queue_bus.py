@@ -66,19 +66,41 @@ def test_record_counts_groups_per_behaviour_version(tmp_path) -> None:
 # --- quarantine ---------------------------------------------------------------------------------
 
 
-def _corrupt_truncate(queue: TransferQueue, seq: int) -> None:
-    path = queue.store.full_path(queue.record("rollout", seq)["payload"])
+def _payload_path(queue: TransferQueue, seq: int) -> tuple[str, int]:
+    """The file holding entry `seq`'s Arrow bytes and where they start in it."""
+    record_path = queue.store.full_path(f"log/rollout/{seq:020d}")
+    record = queue.record("rollout", seq)
+    if record["payload"] == "inline":
+        with open(record_path, "rb") as f:
+            return record_path, f.read().index(b"\n") + 1
+    return queue.store.full_path(record["payload"]), 0
+
+
+def _rewrite_payload(queue: TransferQueue, seq: int, new: bytes, fix_size: bool) -> None:
+    path, offset = _payload_path(queue, seq)
     with open(path, "rb") as f:
-        data = f.read()
+        head = f.read()[:offset]
+    if offset and fix_size:  # a well-formed record around a bad payload
+        record = json.loads(head)
+        record["bytes"] = len(new)
+        head = json.dumps(record).encode() + b"\n"
     with open(path, "wb") as f:
-        f.write(data[: len(data) // 3])
+        f.write(head + new)
+
+
+def _corrupt_truncate(queue: TransferQueue, seq: int) -> None:
+    path, offset = _payload_path(queue, seq)
+    with open(path, "rb") as f:
+        data = f.read()[offset:]
+    _rewrite_payload(queue, seq, data[: len(data) // 3], fix_size=True)
 
 
 def _corrupt_foreign_schema(queue: TransferQueue, seq: int) -> None:
-    path = queue.store.full_path(queue.record("rollout", seq)["payload"])
     foreign = pa.table({"x": [1, 2, 3]})
-    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, foreign.schema) as writer:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, foreign.schema) as writer:
         writer.write_table(foreign)
+    _rewrite_payload(queue, seq, sink.getvalue().to_pybytes(), fix_size=True)
 
 
 def _corrupt_record(queue: TransferQueue, seq: int) -> None:
@@ -86,6 +108,7 @@ def _corrupt_record(queue: TransferQueue, seq: int) -> None:
         f.write("{not json")
 
 
+@pytest.mark.parametrize("inline_max_bytes", [4 << 20, 0], ids=["inline", "separate"])
 @pytest.mark.parametrize(
     ("corrupt", "reason"),
     [
@@ -95,9 +118,9 @@ def _corrupt_record(queue: TransferQueue, seq: int) -> None:
     ],
 )
 def test_corrupt_entry_is_quarantined_with_its_reason_and_reading_goes_on(
-    tmp_path, caplog, corrupt, reason
+    tmp_path, caplog, corrupt, reason, inline_max_bytes
 ) -> None:
-    queue = TransferQueue(str(tmp_path), "run")
+    queue = TransferQueue(str(tmp_path), "run", inline_max_bytes=inline_max_bytes)
     tables = [rows_to_table(_group_rows(2, 2, f"s{i}-")) for i in range(3)]
     for table in tables:
         queue.put("rollout", table)
@@ -110,7 +133,7 @@ def test_corrupt_entry_is_quarantined_with_its_reason_and_reading_goes_on(
     assert [(n["seq"], reason in n["reason"]) for n in notes] == [(1, True)]
     assert "rollout entry 1 quarantined" in caplog.text
     # The seq stays taken (a later put does not reuse it) and a second reader sees the same
-    # reason even though the payload is gone from data/.
+    # reason even though a separate payload is gone from data/.
     assert queue.put("rollout", tables[0]) == 3
     other = TransferQueue(str(tmp_path), "run")
     entry = other.entry("rollout", 1)
@@ -118,8 +141,8 @@ def test_corrupt_entry_is_quarantined_with_its_reason_and_reading_goes_on(
     assert len(other.quarantined("rollout")) == 1
 
 
-def test_quarantine_moves_the_payload_bytes_aside(tmp_path) -> None:
-    queue = TransferQueue(str(tmp_path), "run")
+def test_quarantine_moves_a_separate_payload_aside(tmp_path) -> None:
+    queue = TransferQueue(str(tmp_path), "run", inline_max_bytes=0)
     queue.put("rollout", rows_to_table(_group_rows(1, 2)))
     payload = queue.record("rollout", 0)["payload"]
     _corrupt_truncate(queue, 0)

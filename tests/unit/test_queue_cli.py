@@ -12,7 +12,7 @@ from tests.unit.test_queue import _group_rows
 
 
 def _run_queue(root: str) -> TransferQueue:
-    queue = TransferQueue(root, "run-a")
+    queue = TransferQueue(root, "run-a", inline_max_bytes=0)
     for i in range(5):
         rows = _group_rows(3, 2, f"p{i}-")
         for row in rows:
