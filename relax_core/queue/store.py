@@ -76,6 +76,7 @@ class ObjectStore:
         self.retry = retry or RetryPolicy()
         self.retries_used = 0
         self._made_dirs: set[str] = set()
+        self._root_url: str | None = None
 
     def full_path(self, path: str) -> str:
         """The filesystem path of `path` (relative to the root), for error messages and fsspec."""
@@ -83,7 +84,9 @@ class ObjectStore:
 
     def url(self, path: str) -> str:
         """`path` as a URL a person can paste (protocol included for remote stores)."""
-        return self.fs.unstrip_protocol(self.full_path(path))
+        if self._root_url is None:
+            self._root_url = self.fs.unstrip_protocol(self.root).rstrip("/")
+        return f"{self._root_url}/{path}" if path else self._root_url
 
     def _call(self, what: str, path: str, fn: Callable[[], T], attempts: int | None = None) -> T:
         """Run `fn` with retries on transient faults; classify what finally fails."""
