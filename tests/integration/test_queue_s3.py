@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 import time
+
+import pytest
 
 from relax_core.config import QueueConfig
 from relax_core.queue import (
