@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from relax_core.queue.queue import Entry, TransferQueue, parse_seq, seq_name
+from relax_core.queue.queue import Entry, TransferQueue, log_path, parse_seq, seq_name
 
 _ATTEMPT_WIDTH = 4
 
@@ -77,11 +77,18 @@ class StageWorker:
         self.worker_id = worker_id
         self.lease_ttl_s = lease_ttl_s
         self.taken_over = 0
+        # Listings cost a request per 1,000 names and grow with the run, so what is already
+        # known stays known: input seqs seen, seqs whose output exists, and when each seen
+        # lease runs out (its body is read once; a renewal only delays a takeover check).
+        self._inputs: list[int] = []
+        self._done: set[int] = set()
+        self._expiry: dict[tuple[int, int], float] = {}
 
     def pending(self) -> list[int]:
-        """Committed input seqs whose output is not committed yet, oldest first."""
-        done = set(self.queue.committed(self.out_stage))
-        return [s for s in self.queue.committed(self.in_stage) if s not in done]
+        """Committed input seqs whose output is not committed yet, oldest first (two listings)."""
+        self._done.update(self.queue.committed(self.out_stage))
+        self._inputs = self.queue.committed(self.in_stage)
+        return [s for s in self._inputs if s not in self._done]
 
     def _body(self, expires: float, attempt: int) -> bytes:
         return json.dumps(
@@ -95,32 +102,45 @@ class StageWorker:
             return lease
         return None
 
-    def _expired(self, seq: int, attempt: int) -> bool:
-        path = Lease(self.in_stage, seq, attempt, "", 0.0).path
-        try:
-            body = json.loads(self.queue.store.read_bytes(path))
-            return float(body["expires"]) < time.time()
-        except FileNotFoundError:
-            return False
-        except (ValueError, KeyError, TypeError):
-            return True  # an unreadable lease protects nothing
+    def _expires(self, seq: int, attempt: int) -> float:
+        key = (seq, attempt)
+        if key not in self._expiry or self._expiry[key] < time.time():
+            path = Lease(self.in_stage, seq, attempt, "", 0.0).path
+            try:
+                self._expiry[key] = float(json.loads(self.queue.store.read_bytes(path))["expires"])
+            except FileNotFoundError:
+                self._expiry[key] = time.time() + self.lease_ttl_s
+            except (ValueError, KeyError, TypeError):
+                self._expiry[key] = 0.0  # an unreadable lease protects nothing
+        return self._expiry[key]
 
-    def claim_next(self) -> Lease | None:
-        """A lease on the oldest pending input entry that nobody holds, or None."""
-        latest = latest_claims(self.queue, self.in_stage)
-        for seq in self.pending():
-            attempt = latest.get(seq)
-            if attempt is None:
-                lease = self._try(seq, 0)
-            elif self._expired(seq, attempt):
-                lease = self._try(seq, attempt + 1)
-                if lease is not None:
-                    self.taken_over += 1
-            else:
+    def _take_over(self, latest: dict[int, int]) -> Lease | None:
+        now = time.time()
+        for seq in sorted(latest):
+            if seq in self._done or self._expires(seq, latest[seq]) >= now:
                 continue
+            if self.queue.store.exists(log_path(self.out_stage, seq)):
+                self._done.add(seq)
+                continue
+            lease = self._try(seq, latest[seq] + 1)
             if lease is not None:
+                self.taken_over += 1
                 return lease
         return None
+
+    def claim_next(self) -> Lease | None:
+        """A lease on the oldest input entry that nobody holds, else on one whose lease expired
+        without an output, or None."""
+        latest = latest_claims(self.queue, self.in_stage)
+        for refresh in (False, True):
+            if refresh:
+                self._inputs = self.queue.committed(self.in_stage)
+            for seq in self._inputs:
+                if seq not in latest and seq not in self._done:
+                    lease = self._try(seq, 0)
+                    if lease is not None:
+                        return lease
+        return self._take_over(latest)
 
     def claim(self) -> Iterator[tuple[Lease, Entry]]:
         """Yield (lease, input entry) for pending entries; a quarantined input gets a tombstone
@@ -134,6 +154,7 @@ class StageWorker:
                 self.queue.commit_tombstone(
                     self.out_stage, lease.seq, f"{self.in_stage} {found.skipped}"
                 )
+                self._done.add(lease.seq)
                 continue
             yield lease, found
 
@@ -149,4 +170,6 @@ class StageWorker:
         meta = dict(meta or {})
         meta.update(source_stage=lease.stage, source_seq=lease.seq, lease_attempt=lease.attempt)
         meta.setdefault("worker", self.worker_id)
-        return self.queue.commit(self.out_stage, lease.seq, table, meta)
+        won = self.queue.commit(self.out_stage, lease.seq, table, meta)
+        self._done.add(lease.seq)
+        return won
