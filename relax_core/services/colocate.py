@@ -103,6 +103,7 @@ class ColocateController:
                 "perf/queue_s": (t2 - t1) + (t4 - t3),
                 "perf/tokens_per_s": metrics["perf/generated_tokens"] / step_s,
                 "queue/orphaned_groups": float(s.state.orphaned_groups),
+                "queue/ready_seq": float(s.state.queue_cursors["ready"]),
             }
         )
         s.state.train_seconds += step_s

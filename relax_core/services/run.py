@@ -133,6 +133,8 @@ def run_steps(cfg: RunConfig, checkpoint: str, max_steps: int) -> str:
             monitor.log_metrics(metrics, step=v)
             bar.update(v, metrics)
             if v % cfg.train.checkpoint_every == 0 or v == target:
+                # Flushed first: a checkpoint never exists without the metrics that led to it.
+                monitor.flush()
                 latest = os.path.abspath(session.save_checkpoint())
     finally:
         bar.close()

@@ -8,10 +8,12 @@ import subprocess
 import sys
 import time
 
+import mlflow
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from relax_core.queue import TransferQueue
 from relax_core.train.checkpoint import find_resume_checkpoint, list_checkpoints, read_state
 
 pytestmark = pytest.mark.integration
@@ -79,3 +81,23 @@ def test_killed_run_resumes_at_the_checkpoint_and_matches_an_undisturbed_run(sma
         for c in list_checkpoints(os.path.dirname(find_resume_checkpoint(str(run_root), "b")))
     ]
     assert versions[-1] == STEPS and killed_at["policy_version"] in versions
+
+    # The trainer neither repeated nor skipped a batch: after the resume, step s trained the
+    # `ready` entry written for version s - 1, each entry once, in queue order; the entries the
+    # killed process wrote after its checkpoint were passed over (their prompts regenerated).
+    client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    last_seq: dict[int, float] = {}
+    history = client.get_metric_history(b_state["tracking_run_id"], "queue/ready_seq")
+    for m in sorted(history, key=lambda m: m.timestamp):
+        last_seq[m.step] = m.value
+    assert sorted(last_seq) == list(range(1, STEPS + 1))
+    seqs = [int(last_seq[step]) for step in range(1, STEPS + 1)]
+    assert seqs == sorted(set(seqs)), "a ready entry was trained twice or out of order"
+    queue = TransferQueue(str(workdir / ".relax" / "queue"), b_state["run_id"])
+    versions = [queue.record("ready", seq)["meta"]["policy_version"] for seq in seqs]
+    assert versions == list(range(STEPS))
+    orphans = sorted(set(queue.committed("ready")) - set(seqs))
+    assert all(
+        killed_at["policy_version"] <= queue.record("ready", s)["meta"]["policy_version"]
+        for s in orphans
+    )
