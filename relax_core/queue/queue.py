@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from relax_core.queue.ipc import decode_table, encode_table
 from relax_core.queue.record import (
@@ -154,12 +153,13 @@ class TransferQueue:
         payload = INLINE if inline else f"data/{stage}/{uuid.uuid4().hex}.arrow"
         if not inline:
             self.store.write_immutable(payload, data)
+        versions = version_counts(table)
         record = {
             "payload": payload,
             "bytes": len(data),
             "rows": table.num_rows,
-            "groups": pc.count_distinct(table.column("group_id")).as_py(),
-            "versions": version_counts(table),
+            "groups": sum(versions.values()),
+            "versions": versions,
             "created": time.time(),
             "writer": self.writer_id,
             "nonce": uuid.uuid4().hex,  # makes every record's bytes unique (see create_if_absent)
@@ -244,7 +244,7 @@ class TransferQueue:
         except ValueError as err:
             raise CorruptEntry(str(err)) from err
         try:
-            table = validate_table(table)
+            table = validate_table(table, check_domains=False)
         except ValueError as err:
             raise CorruptEntry(f"queue payload {url}: {err}") from err
         if table.num_rows != record["rows"]:

@@ -57,13 +57,18 @@ def decode_record(raw: bytes, where: str) -> tuple[dict[str, Any], bytes | None]
 
 
 def version_counts(table: pa.Table) -> dict[str, int]:
-    """Groups per behaviour_version_min (the oldest weights that produced any token of a group)."""
+    """Groups per behaviour_version_min (the oldest weights that produced any token of a group).
+
+    Plain Python over two columns: entries hold tens to hundreds of rows, where a pyarrow
+    compute call's fixed cost is larger than the loop.
+    """
     oldest: dict[str, int] = {}
     groups = table.column("group_id").to_pylist()
     versions = table.column("behaviour_version_min").to_pylist()
     for group, version in zip(groups, versions, strict=True):
         v = -1 if version is None else version
-        oldest[group] = min(v, oldest.get(group, v))
+        if group not in oldest or v < oldest[group]:
+            oldest[group] = v
     counts: dict[str, int] = {}
     for v in oldest.values():
         counts[str(v)] = counts.get(str(v), 0) + 1

@@ -36,7 +36,11 @@ def s3_options(server) -> dict:
 
 def test_s3_put_read_and_racing_writers(s3_options) -> None:
     root = "s3://queue-bucket/runs"
-    a, b = TransferQueue(root, "r1", s3_options), TransferQueue(root, "r1", s3_options)
+    # Two clients with their own listing caches, as two processes would have.
+    a = TransferQueue(root, "r1", {**s3_options, "skip_instance_cache": True})
+    b = TransferQueue(root, "r1", {**s3_options, "skip_instance_cache": True})
+    assert a.store.fs is not b.store.fs
+    assert b.committed("rollout") == []  # b lists (and s3fs would cache) an empty log
     table = rows_to_table(_group_rows(2, 2))
     # Each writer's cached seq is stale after the other's put: the server must refuse it.
     assert [a.put("rollout", table), b.put("rollout", table), a.put("rollout", table)] == [0, 1, 2]
