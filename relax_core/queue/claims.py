@@ -129,9 +129,12 @@ class StageWorker:
         return None
 
     def claim_next(self) -> Lease | None:
-        """A lease on the oldest input entry that nobody holds, else on one whose lease expired
-        without an output, or None."""
+        """A lease on an entry whose lease expired without an output (oldest work first: readers
+        downstream may wait on it), else on the oldest entry nobody holds, or None."""
         latest = latest_claims(self.queue, self.in_stage)
+        lease = self._take_over(latest)
+        if lease is not None:
+            return lease
         for refresh in (False, True):
             if refresh:
                 self._inputs = self.queue.committed(self.in_stage)
@@ -140,7 +143,7 @@ class StageWorker:
                     lease = self._try(seq, 0)
                     if lease is not None:
                         return lease
-        return self._take_over(latest)
+        return None
 
     def claim(self) -> Iterator[tuple[Lease, Entry]]:
         """Yield (lease, input entry) for pending entries; a quarantined input gets a tombstone
