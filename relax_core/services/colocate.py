@@ -2,8 +2,10 @@
 
 Per step, with policy version v:
   PromptSource --prompts--> rollout_groups (TorchEngine, reward fn) --rows--> queue `rollout`
-  `rollout` --> add_ref_logprobs (frozen reference; only when kl_coef > 0) --> queue `ref`
-  `rollout`|`ref` --> add_advantages (group-normalized) --> queue `ready`
+  (dynamic sampling: groups with equal rewards dropped, more prompts sampled, DAPO)
+  `rollout` --> add_ref_logprobs (frozen reference when kl_coef > 0; teacher when distilling)
+            --> queue `ref`
+  `rollout`|`ref` --> add_advantages (group-normalized, + distillation term) --> queue `ready`
   `ready` --> train_on_table (TorchBackend) --> version v+1 --InProcessSync--> TorchEngine
 Rows travel through the same TransferQueue as in async mode, so both modes share one data path.
 The controller only sequences the roles and times them; a RunSession holds the parts and the
@@ -22,11 +24,15 @@ from relax_core.rollout.engine import SamplingParams
 from relax_core.services.advantages import add_advantages
 from relax_core.services.evaluation import evaluate
 from relax_core.services.reference import add_ref_logprobs
-from relax_core.services.rollout import rollout_groups
+from relax_core.services.rollout import informative_groups, rollout_groups, rollout_metrics
 from relax_core.services.session import RunSession
 from relax_core.services.trainer import train_on_table
 
 log = logging.getLogger(__name__)
+
+
+def _n_groups(rows: list[dict]) -> int:
+    return len({row["group_id"] for row in rows})
 
 
 class ColocateController:
@@ -44,35 +50,82 @@ class ColocateController:
         self.s.state.queue_cursors[stage] = seq
         return table
 
+    def _generate(self, n_groups: int) -> tuple[list[dict], dict[str, float]]:
+        s, cfg = self.s, self.s.cfg
+        items, cursor = s.train_prompts.take(s.dataset_cursor, n_groups)
+        rows, metrics = rollout_groups(
+            s.engine,
+            s.tokenizer,
+            items,
+            self.params,
+            cfg.rollout.n_samples_per_prompt,
+            s.reward_fn,
+            cfg.reward.overlong_buffer,
+            cfg.reward.overlong_penalty,
+        )
+        s.state.dataset_cursor = cursor.to_dict()
+        return rows, metrics
+
+    def _sample_step_batch(self) -> tuple[list[dict], dict[str, float]]:
+        """The step batch's rows; with dynamic sampling only groups whose rewards differ, topping
+        up with fresh prompts for at most `max_sampling_rounds` rounds (DAPO)."""
+        r = self.s.cfg.rollout
+        rows, metrics = self._generate(r.groups_per_step)
+        if not r.dynamic_sampling:
+            return rows, metrics
+        kept, dropped, rounds, generated = informative_groups(rows), 0, 1, [rows]
+        dropped += _n_groups(rows) - _n_groups(kept)
+        while _n_groups(kept) < r.groups_per_step and rounds < r.max_sampling_rounds:
+            more, _ = self._generate(r.groups_per_step - _n_groups(kept))
+            useful = informative_groups(more)
+            dropped += _n_groups(more) - _n_groups(useful)
+            kept, rounds = kept + useful, rounds + 1
+            generated.append(more)
+        every = [row for batch in generated for row in batch]
+        metrics.update(rollout_metrics(every))
+        metrics.update(
+            {
+                "rollout/sampling_rounds": float(rounds),
+                "rollout/filtered_groups": float(dropped),
+                "rollout/unfilled_groups": float(max(0, r.groups_per_step - _n_groups(kept))),
+            }
+        )
+        if not kept:
+            raise RuntimeError(
+                f"dynamic sampling found no group with differing rewards in {rounds} rounds of "
+                f"{r.groups_per_step} prompts; raise rollout.max_sampling_rounds or check the "
+                "reward (every sample scored the same)"
+            )
+        return kept, metrics
+
     def step(self) -> dict[str, float]:
         """One RL step: version v -> v+1. Returns the step's metrics."""
         s, cfg = self.s, self.s.cfg
         v = s.state.policy_version
         t0 = time.perf_counter()
-        items, cursor = s.train_prompts.take(s.dataset_cursor, cfg.rollout.groups_per_step)
-        rows, metrics = rollout_groups(
-            s.engine, s.tokenizer, items, self.params, cfg.rollout.n_samples_per_prompt, s.reward_fn
-        )
+        rows, metrics = self._sample_step_batch()
         t1 = time.perf_counter()
         s.queue.put("rollout", rows_to_table(rows), {"policy_version": v})
-        s.state.dataset_cursor = cursor.to_dict()
         table = self._consume("rollout")
         t2 = time.perf_counter()
-        if s.ref_model is not None:
+        frozen = [(s.ref_model, "ref_logprobs"), (s.teacher_model, "teacher_logprobs")]
+        frozen = [(model, column) for model, column in frozen if model is not None]
+        for model, column in frozen:
             table = add_ref_logprobs(
-                s.ref_model,
+                model,
                 table,
                 s.pad_token_id,
                 cfg.train.micro_batch_tokens,
                 cfg.rollout.temperature,
+                column,
             )
+        if frozen:
             s.queue.put("ref", table, {"policy_version": v})
             table = self._consume("ref")
         t3 = time.perf_counter()
         a = cfg.algorithm
-        s.queue.put(
-            "ready", add_advantages(table, a.advantage, a.normalize_adv_std), {"policy_version": v}
-        )
+        table = add_advantages(table, a.advantage, a.normalize_adv_std, a.distill_coef)
+        s.queue.put("ready", table, {"policy_version": v})
         table = self._consume("ready")
         t4 = time.perf_counter()
         metrics.update(
@@ -83,6 +136,8 @@ class ColocateController:
                 s.pad_token_id,
                 cfg.train.micro_batch_tokens,
                 cfg.train.minibatches_per_step,
+                train_version=v,
+                max_new_tokens=cfg.rollout.max_new_tokens,
             )
         )
         t5 = time.perf_counter()

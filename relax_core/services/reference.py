@@ -1,4 +1,5 @@
-"""Reference role: log-probs of the responses under the frozen reference model (KL term only)."""
+"""Reference and teacher roles: log-probs of the responses under a frozen model (the reference
+for the KL term, the teacher for on-policy distillation), into their own column."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ def add_ref_logprobs(
     pad_token_id: int,
     token_budget: int,
     temperature: float,
+    column: str = "ref_logprobs",
 ) -> pa.Table:
     out: list[list[float]] = [[] for _ in range(table.num_rows)]
     lengths = [len(r) for r in table.column("response_ids").to_pylist()]
@@ -25,4 +27,4 @@ def add_ref_logprobs(
         logprobs, _ = response_logprobs(model, mb, temperature)
         for j, i in enumerate(rows):
             out[i] = logprobs[j, : lengths[i]].tolist()
-    return with_columns(table, ref_logprobs=out)
+    return with_columns(table, **{column: out})

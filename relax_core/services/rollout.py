@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from relax_core.algorithms.dapo import has_signal, overlong_penalty
 from relax_core.rewards import RewardFn, score_batch
 from relax_core.rollout.engine import RolloutEngine, SamplingParams
 from relax_core.services.prompts import PromptItem
@@ -22,8 +23,14 @@ def rollout_groups(
     params: SamplingParams,
     n_samples: int,
     reward_fn: RewardFn,
+    overlong_buffer: int = 0,
+    overlong_penalty_max: float = 0.0,
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """Generate `n_samples` responses per prompt item; returns queue rows and rollout metrics."""
+    """Generate `n_samples` responses per prompt item; returns queue rows and rollout metrics.
+
+    With `overlong_buffer` > 0 a response's reward loses up to `overlong_penalty_max` as its
+    length enters the last `overlong_buffer` tokens of the budget (DAPO; `algorithms/dapo.py`).
+    """
     t0 = time.perf_counter()
     prompts = [item.prompt_ids for item in items for _ in range(n_samples)]
     completions = engine.generate(prompts, params)
@@ -33,8 +40,17 @@ def rollout_groups(
     results, errors = score_batch(reward_fn, texts, [s["answer"] for s in samples], samples)
     t2 = time.perf_counter()
     rows = []
+    penalties = [
+        overlong_penalty(
+            len(c.response_ids), params.max_new_tokens, overlong_buffer, overlong_penalty_max
+        )
+        for c in completions
+    ]
     for k, (comp, res) in enumerate(zip(completions, results, strict=True)):
         item = items[k // n_samples]
+        info = {"correct": res.correct, **res.info}
+        if penalties[k]:
+            info["overlong_penalty"] = penalties[k]
         group_id = f"e{item.epoch}-p{item.prompt_index}"
         rows.append(
             {
@@ -46,23 +62,41 @@ def rollout_groups(
                 "response_ids": comp.response_ids,
                 "loss_mask": [1] * len(comp.response_ids),
                 "rollout_logprobs": comp.logprobs,
-                "reward": res.reward,
-                "reward_info": {"correct": res.correct, **res.info},
+                "reward": res.reward - penalties[k],
+                "reward_info": info,
                 "finish_reason": comp.finish_reason,
                 "behaviour_version_min": comp.policy_version,
                 "behaviour_version_max": comp.policy_version,
                 "turns": 1,
             }
         )
-    n = len(rows)
-    metrics = {
-        "train/reward_mean": sum(r.reward for r in results) / n,
-        "train/accuracy": sum(r.correct for r in results) / n,
-        "train/response_length": sum(len(c.response_ids) for c in completions) / n,
-        "train/truncated_frac": sum(c.finish_reason == "length" for c in completions) / n,
-        "train/reward_errors": float(errors),
-        "perf/generate_s": t1 - t0,
-        "perf/reward_s": t2 - t1,
-        "perf/generated_tokens": float(sum(len(c.response_ids) for c in completions)),
-    }
+    metrics = rollout_metrics(rows)
+    metrics.update(
+        {
+            "train/reward_errors": float(errors),
+            "perf/generate_s": t1 - t0,
+            "perf/reward_s": t2 - t1,
+            "perf/generated_tokens": float(sum(len(c.response_ids) for c in completions)),
+        }
+    )
     return rows, metrics
+
+
+def rollout_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Reward, accuracy, length and truncation means over rollout rows."""
+    n = max(1, len(rows))
+    return {
+        "train/reward_mean": sum(r["reward"] for r in rows) / n,
+        "train/accuracy": sum(bool(r["reward_info"].get("correct")) for r in rows) / n,
+        "train/response_length": sum(len(r["response_ids"]) for r in rows) / n,
+        "train/truncated_frac": sum(r["finish_reason"] == "length" for r in rows) / n,
+    }
+
+
+def informative_groups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of groups whose rewards differ (the others have all-zero advantages)."""
+    rewards: dict[str, list[float]] = {}
+    for row in rows:
+        rewards.setdefault(row["group_id"], []).append(row["reward"])
+    keep = {g for g, values in rewards.items() if has_signal(values)}
+    return [row for row in rows if row["group_id"] in keep]

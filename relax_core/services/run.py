@@ -50,6 +50,12 @@ def preflight(cfg: RunConfig) -> None:
             resolve_source(cfg.model.source)
         except (OSError, ValueError, ImportError) as exc:
             problems.append(f"model.source: {exc}")
+    teacher = cfg.algorithm.teacher
+    if teacher and not os.path.isfile(os.path.join(teacher, "config.json")):
+        problems.append(
+            f"algorithm.teacher: {teacher} is not a model directory (no config.json); give a "
+            "checkpoint directory such as .relax/checkpoints/<run id>/step_000200"
+        )
     if cfg.checkpoint.resume_from and not os.path.isfile(
         os.path.join(cfg.checkpoint.resume_from, ckpt.STATE_FILE)
     ):

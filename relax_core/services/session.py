@@ -19,7 +19,7 @@ import torch
 from relax_core.config import RunConfig
 from relax_core.data.cursor import DatasetCursor
 from relax_core.data.dataset import load_prompts
-from relax_core.models.policy import load_policy
+from relax_core.models.policy import load_policy, load_teacher
 from relax_core.queue import STAGES, open_queue
 from relax_core.rewards import resolve_reward
 from relax_core.rollout.torch_engine import TorchEngine
@@ -67,6 +67,11 @@ class RunSession:
         self.ref_model = None
         if cfg.algorithm.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.teacher_model = None
+        if cfg.algorithm.distill_coef > 0:
+            self.teacher_model = load_teacher(
+                cfg.algorithm.teacher, self.tokenizer, cfg.model.dtype
+            )
         self.reward_fn = resolve_reward(cfg.reward.name)
         d = cfg.data
         self.train_prompts = PromptSource(

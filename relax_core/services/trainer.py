@@ -1,10 +1,11 @@
 """Trainer role: one optimizer step on a step batch of `ready` rows with the configured loss.
 
-old_logprobs come from the `fwd` stage when the actor_fwd role ran. Without it, in colocate mode
-the proximal policy is the one that generated the batch: for a single update it is the current
-policy (taken from the same forward pass, detached, so no extra forward), and for several
-mini-batch updates it is the rollout engine's log-probs, computed with the very weights the
-trainer held when the batch was generated.
+The proximal ("old") log-probs the PPO-style ratio is taken against come from the `fwd` stage
+when the actor_fwd role ran. Otherwise they are interpolated by policy version between the
+rollout engine's log-probs and the current ones (algorithms/decoupled.py): exact for on-policy
+rows, where the first update's proximal policy is the current one (taken from the same forward
+pass, detached, so no extra forward) and later mini-batch updates' is the one that generated the
+batch.
 """
 
 from __future__ import annotations
@@ -12,42 +13,62 @@ from __future__ import annotations
 import pyarrow as pa
 import torch
 
-from relax_core.algorithms import POLICY_LOSSES, LossInputs
+from relax_core.algorithms import (
+    POLICY_LOSSES,
+    LossInputs,
+    LossSettings,
+    interpolate_proximal,
+    proximal_alpha,
+)
 from relax_core.config import AlgorithmConfig
 from relax_core.services.batching import table_micro_batches
 from relax_core.train.backend import MicroBatchLoss, TrainBackend
 from relax_core.train.batch import MicroBatch
 
 
+def loss_settings(algo: AlgorithmConfig, max_new_tokens: int) -> LossSettings:
+    """The loss knobs of `algo`; Dr. GRPO's fixed length is the generation budget."""
+    return LossSettings(
+        eps_clip=algo.eps_clip,
+        eps_clip_high=algo.eps_clip_high,
+        dual_clip=algo.dual_clip,
+        kl_coef=algo.kl_coef,
+        kl_kind=algo.kl_kind,
+        entropy_coef=algo.entropy_coef,
+        agg=algo.loss_agg,
+        norm_len=float(max_new_tokens),
+        sapo_tau_pos=algo.sapo_tau_pos,
+        sapo_tau_neg=algo.sapo_tau_neg,
+        is_mode=algo.is_mode,
+        is_level=algo.is_level,
+        is_cap=algo.is_cap,
+        behaviour_cap=algo.behaviour_cap,
+    )
+
+
 def _loss_fn(
-    algo: AlgorithmConfig, num_tokens: float, num_seqs: float, proximal: str
+    algo: AlgorithmConfig, settings: LossSettings, num_tokens: float, num_seqs: float
 ) -> MicroBatchLoss:
     loss_impl = POLICY_LOSSES[algo.loss]
 
     def fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch):
-        old = mb.extras[proximal] if proximal else logprobs.detach()
+        rollout = mb.extras["rollout_logprobs"]
+        if "old_logprobs" in mb.extras:
+            old = mb.extras["old_logprobs"]
+        else:
+            old = interpolate_proximal(rollout, logprobs, mb.extras["proximal_alpha"])
         inputs = LossInputs(
             logprobs=logprobs,
             old_logprobs=old,
             advantages=mb.extras["advantages"],
             loss_mask=mb.loss_mask,
             ref_logprobs=mb.extras.get("ref_logprobs"),
-            rollout_logprobs=mb.extras["rollout_logprobs"],
+            rollout_logprobs=rollout,
             entropy=entropy if algo.entropy_coef > 0 else entropy.detach(),
         )
-        loss, metrics = loss_impl(
-            inputs,
-            eps_clip=algo.eps_clip,
-            eps_clip_high=algo.eps_clip_high,
-            kl_coef=algo.kl_coef,
-            kl_kind=algo.kl_kind,
-            entropy_coef=algo.entropy_coef,
-            agg=algo.loss_agg,
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
-        )
+        loss, metrics = loss_impl(inputs, settings, num_tokens, num_seqs)
         mask = mb.loss_mask
-        gap = (mb.extras["rollout_logprobs"] - logprobs.detach()) * mask
+        gap = (rollout - logprobs.detach()) * mask
         metrics["rollout_train_kl"] = gap.sum() / mask.sum().clamp(min=1)
         return loss, metrics
 
@@ -67,6 +88,13 @@ def _split_groups(table: pa.Table, parts: int) -> list[pa.Table]:
     return [table.take(r) for r in rows if r]
 
 
+def _alpha_per_token(table: pa.Table, train_version: int, progress: float) -> list[list[float]]:
+    versions = torch.tensor(table.column("behaviour_version_min").to_pylist())
+    alpha = proximal_alpha(versions, float(train_version), progress).flatten().tolist()
+    lengths = [len(r) for r in table.column("response_ids").to_pylist()]
+    return [[a] * n for a, n in zip(alpha, lengths, strict=True)]
+
+
 def train_on_table(
     backend: TrainBackend,
     table: pa.Table,
@@ -74,26 +102,39 @@ def train_on_table(
     pad_token_id: int,
     token_budget: int,
     minibatches: int = 1,
+    *,
+    train_version: int = 0,
+    max_new_tokens: int = 1,
 ) -> dict[str, float]:
-    """Train on one step batch: `minibatches` optimizer updates; returns averaged metrics."""
+    """Train on one step batch: `minibatches` optimizer updates; returns averaged metrics.
+
+    `train_version`: the policy version being trained (rows' staleness is measured from it).
+    """
+    settings = loss_settings(algo, max_new_tokens)
     extras = ["advantages", "rollout_logprobs"]
     if algo.kl_coef > 0:
         extras.append("ref_logprobs")
-    proximal = ""
-    if table.column("old_logprobs").null_count == 0:
+    recomputed = table.column("old_logprobs").null_count == 0
+    if recomputed:
         extras.append("old_logprobs")
-        proximal = "old_logprobs"
-    elif minibatches > 1:
-        proximal = "rollout_logprobs"
     sums: dict[str, float] = {}
     n_micro, trained = 0, 0.0
-    for part in _split_groups(table, minibatches):
-        mbs = [mb for _, mb in table_micro_batches(part, pad_token_id, token_budget, tuple(extras))]
+    parts = _split_groups(table, minibatches)
+    for k, part in enumerate(parts):
+        computed = {}
+        if not recomputed:
+            computed["proximal_alpha"] = _alpha_per_token(part, train_version, k / len(parts))
+        mbs = [
+            mb
+            for _, mb in table_micro_batches(
+                part, pad_token_id, token_budget, tuple(extras), computed
+            )
+        ]
         num_tokens = float(sum(mb.loss_mask.sum() for mb in mbs))
         num_seqs = float(sum((mb.loss_mask.sum(-1) > 0).sum() for mb in mbs))
-        metrics = backend.train_step(mbs, _loss_fn(algo, num_tokens, num_seqs, proximal))
+        metrics = backend.train_step(mbs, _loss_fn(algo, settings, num_tokens, num_seqs))
         for key, value in metrics.items():
-            sums[key] = sums.get(key, 0.0) + value / minibatches
+            sums[key] = sums.get(key, 0.0) + value / len(parts)
         n_micro, trained = n_micro + len(mbs), trained + num_tokens
     out = {f"train/{k}": v for k, v in sums.items()}
     out["train/micro_batches"] = float(n_micro)

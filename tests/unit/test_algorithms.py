@@ -11,6 +11,7 @@ from relax_core.algorithms import (
     ADVANTAGE_ESTIMATORS,
     POLICY_LOSSES,
     LossInputs,
+    LossSettings,
     aggregate,
     broadcast_to_tokens,
     grpo_advantages,
@@ -38,18 +39,8 @@ def one_token_inputs(ratios: list[float], advantages: list[float], **extra) -> L
     )
 
 
-GRPO_DEFAULTS = {
-    "eps_clip": 0.2,
-    "eps_clip_high": 0.28,
-    "kl_coef": 0.0,
-    "kl_kind": "k3",
-    "entropy_coef": 0.0,
-    "agg": "token_mean",
-}
-
-
-def grpo(inputs: LossInputs, **overrides):
-    return POLICY_LOSSES["grpo"](inputs, **{**GRPO_DEFAULTS, **overrides})
+def grpo(inputs: LossInputs, num_tokens=None, num_seqs=None, **settings):
+    return POLICY_LOSSES["grpo"](inputs, LossSettings(**settings), num_tokens, num_seqs)
 
 
 # ----------------------------------------------------------------------------- advantages

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from relax_core.algorithms import LossInputs, grpo_loss
+from relax_core.algorithms import LossInputs, LossSettings, grpo_loss
 from relax_core.config import ModelConfig
 from relax_core.models.tiny import build_char_tokenizer, build_tiny_qwen3
 from relax_core.rollout.engine import SamplingParams
@@ -62,16 +62,7 @@ def _grads_after_step(tok, split):
 
     def loss_fn(logprobs, entropy, mb):
         inputs = LossInputs(logprobs, logprobs.detach(), mb.extras["advantages"], mb.loss_mask)
-        return grpo_loss(
-            inputs,
-            eps_clip=0.2,
-            eps_clip_high=0.28,
-            kl_coef=0.0,
-            kl_kind="k3",
-            entropy_coef=0.0,
-            agg="token_mean",
-            num_tokens=num_tokens,
-        )
+        return grpo_loss(inputs, LossSettings(), num_tokens=num_tokens)
 
     metrics = backend.train_step(batches, loss_fn)
     # Compare gradients, not updated weights: Adam divides by sqrt(v) and blows up round-off.
