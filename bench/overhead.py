@@ -12,9 +12,17 @@ Last line: `headline: engine_overhead = X` (engine seconds per step / bare secon
 
 from __future__ import annotations
 
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Run as a script, bench/ leads sys.path, where bench/queue.py would shadow the standard
+# library's `queue` (imported by torch, s3fs and concurrent.futures): put the repo there instead.
+if sys.path and os.path.abspath(sys.path[0]) == os.path.join(REPO, "bench"):
+    sys.path[0] = REPO
+
 import argparse
 import copy
-import os
 import statistics
 import tempfile
 import time
@@ -27,8 +35,6 @@ from relax_core.data.dataset import fingerprint, load_prompts
 from relax_core.models.policy import PolicySpec, load_policy, prepare_policy
 from relax_core.services.colocate import ColocateController
 from relax_core.services.session import RunSession, RunState
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class BareLoop:

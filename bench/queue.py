@@ -29,25 +29,25 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if sys.path and os.path.abspath(sys.path[0]) == os.path.join(REPO, "bench"):
     sys.path[0] = REPO
 
-import argparse  # noqa: E402
-import cProfile  # noqa: E402
-import pstats  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import uuid  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import cProfile
+import pstats
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-import fsspec  # noqa: E402
-import numpy as np  # noqa: E402
-import pyarrow as pa  # noqa: E402
+import fsspec
+import numpy as np
+import pyarrow as pa
 
-from relax_core.queue import TransferQueue, rows_to_table  # noqa: E402
-from relax_core.queue.ipc import encode_table  # noqa: E402
-from tests.s3servers import start_seaweedfs  # noqa: E402
+from relax_core.queue import TransferQueue, rows_to_table
+from relax_core.queue.ipc import encode_table
+from tests.s3servers import start_seaweedfs
 
 GROUP_SIZE = 8
 PROMPT_TOKENS = 20

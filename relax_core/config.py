@@ -20,7 +20,7 @@ MODES = ("colocate",)
 MODEL_KINDS = ("tiny-qwen3", "pretrained")
 TEMPLATES = ("plain", "chat")
 LOSSES = ("grpo", "gspo", "sapo", "decoupled_ppo")
-ADVANTAGES = ("grpo",)
+ADVANTAGES = ("grpo", "none")
 KL_KINDS = ("k1", "k2", "k3")
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "dr_grpo")
 IS_MODES = ("none", "tis", "mis")
@@ -131,7 +131,7 @@ class AlgorithmConfig:
     loss: str = "grpo"
     """Policy loss."""
     advantage: str = "grpo"
-    """Advantage estimator."""
+    """Advantage estimator: grpo (group-normalized rewards) or none (only the distillation term)."""
     eps_clip: float = 0.2
     """Lower PPO clip range: ratio >= 1 - eps_clip."""
     eps_clip_high: float = 0.28
@@ -409,6 +409,10 @@ def _check_algorithm(e: list[str], cfg: RunConfig) -> None:
         e.append(
             "algorithm.is_mode: decoupled_ppo already weights by pi_proximal / pi_behaviour; "
             "a second rollout correction would apply it twice (set is_mode: none)"
+        )
+    if a.advantage == "none" and a.distill_coef == 0:
+        e.append(
+            "algorithm.advantage: 'none' leaves nothing to learn from without distill_coef > 0"
         )
     if a.distill_coef < 0:
         e.append(f"algorithm.distill_coef: must be >= 0, got {a.distill_coef}")

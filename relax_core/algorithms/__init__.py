@@ -4,7 +4,7 @@ Config names map to functions through the plain dicts below; each policy loss ta
 ``LossInputs`` and a ``LossSettings`` and returns ``(scalar loss, detached metrics)``.
 """
 
-from relax_core.algorithms.advantages import broadcast_to_tokens, grpo_advantages
+from relax_core.algorithms.advantages import broadcast_to_tokens, grpo_advantages, no_advantages
 from relax_core.algorithms.aggregation import AGGREGATIONS, aggregate
 from relax_core.algorithms.decoupled import (
     decoupled_ppo_loss,
@@ -25,7 +25,7 @@ POLICY_LOSSES = {
     "sapo": sapo_loss,
     "decoupled_ppo": decoupled_ppo_loss,
 }
-ADVANTAGE_ESTIMATORS = {"grpo": grpo_advantages}
+ADVANTAGE_ESTIMATORS = {"grpo": grpo_advantages, "none": no_advantages}
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

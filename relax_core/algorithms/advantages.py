@@ -66,3 +66,11 @@ def broadcast_to_tokens(adv: Tensor, loss_mask: Tensor) -> Tensor:
             f"{tuple(adv.shape)} and {tuple(loss_mask.shape)}"
         )
     return adv[:, None] * loss_mask.to(adv.dtype)
+
+
+def no_advantages(rewards: Tensor, group_index: Tensor, normalize_std: bool = True) -> Tensor:
+    """Zero advantage for every sample: training signal comes only from a per-token term (pure
+    on-policy distillation, where the teacher's log-probs are the whole reward)."""
+    _check_groups(rewards, group_index)
+    del normalize_std
+    return torch.zeros_like(rewards)

@@ -69,7 +69,7 @@ class RunSession:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.teacher_model = None
         if cfg.algorithm.distill_coef > 0:
-            self.teacher_model = load_teacher(
+            self.teacher_model, _ = load_teacher(
                 cfg.algorithm.teacher, self.tokenizer, cfg.model.dtype
             )
         self.reward_fn = resolve_reward(cfg.reward.name)
