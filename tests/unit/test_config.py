@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 
 import pytest
 
@@ -80,3 +81,42 @@ def test_config_module_imports_neither_torch_nor_flytekit():
     code = "import sys, relax_core.config; print('torch' in sys.modules, 'flytekit' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+@pytest.mark.parametrize(
+    ("sections", "expected"),
+    [
+        ({"algorithm": {"loss": "gspo"}}, "GSPO clips a sequence-level ratio"),
+        ({"algorithm": {"loss": "sapo", "dual_clip": 3.0}}, "SAPO has no clip to dualize"),
+        ({"algorithm": {"dual_clip": 0.5}}, "algorithm.dual_clip: must be 0 (off) or > 1"),
+        ({"algorithm": {"loss": "decoupled_ppo", "is_mode": "tis"}}, "apply it twice"),
+        ({"algorithm": {"is_mode": "clip"}}, "algorithm.is_mode"),
+        ({"algorithm": {"is_cap": 1.0}}, "algorithm.is_cap: must be > 1"),
+        ({"algorithm": {"sapo_tau_neg": 0.0}}, "algorithm.sapo_tau_neg: must be > 0"),
+        ({"algorithm": {"distill_coef": 0.5}}, "algorithm.teacher: required"),
+        ({"algorithm": {"teacher": "ckpt"}}, "a teacher is set but distill_coef is 0"),
+        ({"algorithm": {"advantage": "none"}}, "'none' leaves nothing to learn"),
+        ({"algorithm": {"loss_agg": "sum"}}, "dr_grpo"),
+        (
+            {"rollout": {"dynamic_sampling": True, "n_samples_per_prompt": 1}},
+            "groups of one never vary",
+        ),
+        ({"rollout": {"max_sampling_rounds": 0}}, "rollout.max_sampling_rounds: must be > 0"),
+        ({"reward": {"overlong_buffer": 4}}, "below rollout.max_new_tokens (4)"),
+        ({"reward": {"overlong_penalty": -1.0}}, "reward.overlong_penalty: must be >= 0"),
+        ({"reward": {"name": "genrm", "judge_batch_size": 0}}, "reward.judge_batch_size"),
+    ],
+)
+def test_algorithm_knobs_and_nonsense_combinations_are_refused(sections, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        replace(load_config(os.path.join(REPO, "configs", "cpu-default.yaml")), **sections)
+
+
+def test_algorithm_suite_settings_that_make_sense_load():
+    cfg = replace(
+        load_config(os.path.join(REPO, "configs", "cpu-default.yaml")),
+        algorithm={"loss": "gspo", "eps_clip": 3e-4, "eps_clip_high": 4e-4, "is_mode": "mis"},
+        rollout={"dynamic_sampling": True},
+        reward={"overlong_buffer": 1},
+    )
+    assert cfg.algorithm.loss == "gspo" and cfg.rollout.dynamic_sampling
