@@ -242,7 +242,8 @@ def test_dapo_signal_and_overlong_penalty():
 
 
 @pytest.mark.parametrize("name", ["grpo", "gspo", "sapo", "decoupled_ppo"])
-def test_all_masked_rows_give_zero_loss_and_zero_gradient(name):
+def test_all_masked_rows_and_empty_responses_give_zero_loss_and_zero_gradient(name):
+    # an empty response is a row with no masked token
     inputs = tokens(
         [[0.3, -0.2]],
         [[0.0, 0.0]],
