@@ -1,8 +1,9 @@
-"""The value every reward function returns, and the shape of a reward function."""
+"""The value every reward function returns, and the shapes of a reward: per sample (`RewardFn`)
+or per batch (`BatchRewardFn`, for rewards such as a model judge that batch their work)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -26,3 +27,19 @@ class RewardFn(Protocol):
     def __call__(
         self, response: str, answer: str, sample: Mapping[str, Any], /
     ) -> RewardResult: ...
+
+
+class BatchRewardFn(Protocol):
+    """An object that scores a whole batch in one call; `score_batch` prefers it over calling the
+    object per sample. A sample it could not score comes back as reward 0 with the reason in
+    `info["error"]` and is counted as a failure; raising fails every sample of the batch."""
+
+    def score_many(
+        self,
+        responses: Sequence[str],
+        answers: Sequence[str],
+        samples: Sequence[Mapping[str, Any]],
+        /,
+    ) -> list[RewardResult]:
+        """One result per response, in input order."""
+        ...

@@ -159,6 +159,7 @@ class ColocateController:
                 "perf/tokens_per_s": metrics["perf/generated_tokens"] / step_s,
                 "queue/orphaned_groups": float(s.state.orphaned_groups),
                 "queue/ready_seq": float(s.state.queue_cursors["ready"]),
+                **(s.reward_fn.metrics() if hasattr(s.reward_fn, "metrics") else {}),
             }
         )
         s.state.train_seconds += step_s

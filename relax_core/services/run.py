@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 def preflight(cfg: RunConfig) -> None:
     """Checks that need the filesystem or imports; one ConfigError listing every problem."""
     from relax_core.data.dataset import check_dataset_path
-    from relax_core.rewards import resolve_reward
+    from relax_core.rewards.registry import check_reward
 
     problems = []
     for name in ("train_path", "eval_path"):
@@ -40,9 +40,10 @@ def preflight(cfg: RunConfig) -> None:
         except (OSError, ValueError) as exc:
             problems.append(f"data.{name}: {exc}")
     try:
-        resolve_reward(cfg.reward.name)
+        check_reward(cfg.reward)
     except (ValueError, TypeError) as exc:
-        problems.append(f"reward.name: {exc}")
+        text = str(exc)
+        problems.append(text if text.startswith("reward.") else f"reward.name: {text}")
     if cfg.model.kind == "pretrained":
         from relax_core.models.pretrained import resolve_source
 

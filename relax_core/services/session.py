@@ -21,7 +21,7 @@ from relax_core.data.cursor import DatasetCursor
 from relax_core.data.dataset import load_prompts
 from relax_core.models.policy import load_policy, load_teacher
 from relax_core.queue import STAGES, open_queue
-from relax_core.rewards import resolve_reward
+from relax_core.rewards.registry import build_reward
 from relax_core.rollout.torch_engine import TorchEngine
 from relax_core.services.prompts import PromptSource
 from relax_core.sync.inprocess import InProcessSync
@@ -72,7 +72,14 @@ class RunSession:
             self.teacher_model, _ = load_teacher(
                 cfg.algorithm.teacher, self.tokenizer, cfg.model.dtype
             )
-        self.reward_fn = resolve_reward(cfg.reward.name)
+        # A GenRM judge shares the prepared-policy cache, so a SmolLM2 policy and judge convert
+        # the GGUF weights once.
+        self.reward_fn = build_reward(
+            cfg.reward,
+            cache_dir=os.path.join(cfg.checkpoint.policy_cache_dir, "hf"),
+            dtype=cfg.model.dtype,
+            seed=cfg.seed,
+        )
         d = cfg.data
         self.train_prompts = PromptSource(
             load_prompts(d.train_path),
