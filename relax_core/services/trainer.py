@@ -10,6 +10,8 @@ batch.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pyarrow as pa
 import torch
 
@@ -27,23 +29,14 @@ from relax_core.train.batch import MicroBatch
 
 
 def loss_settings(algo: AlgorithmConfig, max_new_tokens: int) -> LossSettings:
-    """The loss knobs of `algo`; Dr. GRPO's fixed length is the generation budget."""
-    return LossSettings(
-        eps_clip=algo.eps_clip,
-        eps_clip_high=algo.eps_clip_high,
-        dual_clip=algo.dual_clip,
-        kl_coef=algo.kl_coef,
-        kl_kind=algo.kl_kind,
-        entropy_coef=algo.entropy_coef,
-        agg=algo.loss_agg,
-        norm_len=float(max_new_tokens),
-        sapo_tau_pos=algo.sapo_tau_pos,
-        sapo_tau_neg=algo.sapo_tau_neg,
-        is_mode=algo.is_mode,
-        is_level=algo.is_level,
-        is_cap=algo.is_cap,
-        behaviour_cap=algo.behaviour_cap,
-    )
+    """The loss knobs of `algo` (same names, `loss_agg` -> `agg`); Dr. GRPO's fixed length is
+    the generation budget."""
+    shared = {
+        f.name: getattr(algo, f.name)
+        for f in dataclasses.fields(LossSettings)
+        if hasattr(algo, f.name)
+    }
+    return LossSettings(**shared, agg=algo.loss_agg, norm_len=float(max_new_tokens))
 
 
 def _loss_fn(
