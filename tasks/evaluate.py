@@ -1,0 +1,40 @@
+"""Flyte task for evaluating a checkpoint: a thin wrapper over relax_core.services."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from flytekit import Resources, task
+
+from relax_core.config import RunConfig
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
+@dataclass
+class EvalSummary:
+    checkpoint: str
+    policy_version: int
+    eval_accuracy: float
+    pass_at_k: float
+    k: int
+    reward_mean: float
+    mlflow_run_id: str
+    training_mlflow_run_id: str
+
+
+@task(requests=Resources(cpu="2", mem="8Gi"), retries=1)
+def evaluate_checkpoint(cfg: RunConfig, checkpoint: str, k: int, samples: int) -> EvalSummary:
+    """Greedy pass@1, sampled pass@k and mean reward of `checkpoint` on cfg's eval split."""
+    from relax_core.services.evaluate_checkpoint import evaluate_checkpoint as run_eval
+
+    result = run_eval(cfg, checkpoint, k=k, n_samples=samples)
+    print(
+        f"eval of {result['checkpoint']} (v{result['policy_version']}): "
+        f"pass@1 {result['eval_accuracy']:.3f}, pass@{k} {result['pass_at_k']:.3f}, "
+        f"mean reward {result['reward_mean']:.3f}; MLflow run {result['mlflow_run_id']} "
+        f"(under training run {result['training_mlflow_run_id']})",
+        flush=True,
+    )
+    return EvalSummary(**result)
