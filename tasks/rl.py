@@ -3,6 +3,11 @@
 Each task takes the run config plus a checkpoint path and returns one, so the console shows every
 node, a failed node is retried from the last checkpoint, and the policy preparation is cached.
 
+Only the first task takes the `RunConfig` dataclass (what `pyflyte run ... --cfg x.yaml` fills);
+it hands the others the validated config as canonical JSON text. flytekit rebuilds a nested
+dataclass's literal type for every task interface (~1.3 s each here), which made a third of
+a CPU run's wall time; a string costs nothing.
+
 Resources are what a cluster schedules (local execution ignores them): light tasks get a small
 CPU pod; the tasks that hold the model get a GPU. rl_steps is interruptible (spot capacity): a
 preempted node restarts from the newest checkpoint it or an earlier attempt saved.
@@ -10,14 +15,16 @@ preempted node restarts from the newest checkpoint it or an earlier attempt save
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NamedTuple
 
 from flytekit import Resources, task
 from flytekit.extras.accelerators import H100
 
-from relax_core.config import RunConfig
+from relax_core.config import RunConfig, config_to_dict
 from relax_core.models import policy
 from relax_core.models.policy import PolicySpec
 
@@ -39,14 +46,25 @@ class RunSummary:
     checkpoint: str
 
 
+class Prepared(NamedTuple):
+    cfg_json: str
+    data_fingerprint: str
+
+
+def _cfg(cfg_json: str) -> RunConfig:
+    return RunConfig.from_json(cfg_json)
+
+
 @task(requests=CPU)
-def prepare_data(cfg: RunConfig) -> str:
-    """Validate everything a run needs before any work starts; returns the train data fingerprint."""
+def prepare_data(cfg: RunConfig) -> Prepared:
+    """Validate everything a run needs before any work starts; returns the config as JSON and the
+    train data fingerprint."""
     from relax_core.data.dataset import fingerprint
     from relax_core.services.run import preflight
 
     preflight(cfg)
-    return fingerprint(cfg.data.train_path)
+    cfg_json = json.dumps(config_to_dict(cfg), sort_keys=True)
+    return Prepared(cfg_json=cfg_json, data_fingerprint=fingerprint(cfg.data.train_path))
 
 
 @task(
@@ -58,26 +76,27 @@ def prepare_data(cfg: RunConfig) -> str:
     retries=1,
     timeout=timedelta(hours=2),
 )
-def prepare_policy(spec: PolicySpec, cache_dir: str) -> str:
+def prepare_policy(spec_json: str, cache_dir: str) -> str:
     """The starting policy: tiny model + supervised warm start, or a converted pretrained model.
 
     Cached on exactly the settings that determine it, so runs that differ only in RL settings
     share one warm start.
     """
-    return policy.prepare_policy(spec, cache_dir)
+    return policy.prepare_policy(PolicySpec.from_json(spec_json), cache_dir)
 
 
 @task(requests=CPU)
-def policy_spec(cfg: RunConfig, data_fingerprint: str) -> PolicySpec:
-    return PolicySpec.of(cfg, data_fingerprint)
+def policy_spec(cfg_json: str, data_fingerprint: str) -> str:
+    """The settings that determine the starting weights, as canonical JSON (the cache key)."""
+    return PolicySpec.of(_cfg(cfg_json), data_fingerprint).to_json()
 
 
 @task(requests=GPU, limits=GPU_LIMITS, accelerator=H100, retries=1, timeout=timedelta(hours=1))
-def start_run(cfg: RunConfig, policy_dir: str) -> str:
+def start_run(cfg_json: str, policy_dir: str) -> str:
     """New run: held-out eval at step 0 and checkpoint v0. Resume: the checkpoint to continue."""
     from relax_core.services import run
 
-    return run.start_run(cfg, policy_dir)
+    return run.start_run(_cfg(cfg_json), policy_dir)
 
 
 @task(
@@ -88,22 +107,23 @@ def start_run(cfg: RunConfig, policy_dir: str) -> str:
     interruptible=True,
     timeout=timedelta(hours=6),
 )
-def rl_steps(cfg: RunConfig, checkpoint: str) -> str:
+def rl_steps(cfg_json: str, checkpoint: str) -> str:
     """Up to `train.steps_per_node` RL steps from `checkpoint`; returns the newest checkpoint.
 
     A retry restarts from the checkpoint it was given plus whatever the failed attempt saved.
     """
     from relax_core.services import run
 
+    cfg = _cfg(cfg_json)
     return run.run_steps(cfg, run.newest_checkpoint(checkpoint), cfg.train.steps_per_node)
 
 
 @task(requests=GPU, limits=GPU_LIMITS, accelerator=H100, retries=1, timeout=timedelta(hours=1))
-def finish_run(cfg: RunConfig, checkpoint: str) -> RunSummary:
+def finish_run(cfg_json: str, checkpoint: str) -> RunSummary:
     """Final held-out eval, close the MLflow run, print the summary."""
     from relax_core.services import run
 
-    s = run.finish_run(cfg, checkpoint)
+    s = run.finish_run(_cfg(cfg_json), checkpoint)
     return RunSummary(
         run_id=s["run_id"],
         steps=s["steps"],

@@ -26,17 +26,18 @@ from tasks.rl import (
 
 
 @dynamic
-def rl_loop(cfg: RunConfig, checkpoint: str) -> str:
+def rl_loop(cfg_json: str, checkpoint: str) -> str:
     """Recursion instead of a loop: a @dynamic builds its whole graph before running."""
-    if read_state(checkpoint)["policy_version"] >= cfg.train.total_steps:
+    if read_state(checkpoint)["policy_version"] >= RunConfig.from_json(cfg_json).train.total_steps:
         return checkpoint
-    return rl_loop(cfg=cfg, checkpoint=rl_steps(cfg=cfg, checkpoint=checkpoint))
+    return rl_loop(cfg_json=cfg_json, checkpoint=rl_steps(cfg_json=cfg_json, checkpoint=checkpoint))
 
 
 @workflow
 def train(cfg: RunConfig) -> RunSummary:
-    fingerprint = prepare_data(cfg=cfg)
-    spec = policy_spec(cfg=cfg, data_fingerprint=fingerprint)
-    policy_dir = prepare_policy(spec=spec, cache_dir=cfg.checkpoint.policy_cache_dir)
-    start = start_run(cfg=cfg, policy_dir=policy_dir)
-    return finish_run(cfg=cfg, checkpoint=rl_loop(cfg=cfg, checkpoint=start))
+    prepared = prepare_data(cfg=cfg)
+    cfg_json = prepared.cfg_json
+    spec = policy_spec(cfg_json=cfg_json, data_fingerprint=prepared.data_fingerprint)
+    policy_dir = prepare_policy(spec_json=spec, cache_dir=cfg.checkpoint.policy_cache_dir)
+    start = start_run(cfg_json=cfg_json, policy_dir=policy_dir)
+    return finish_run(cfg_json=cfg_json, checkpoint=rl_loop(cfg_json=cfg_json, checkpoint=start))

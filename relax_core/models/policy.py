@@ -18,7 +18,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from relax_core.config import DataConfig, ModelConfig, RunConfig, WarmStartConfig
+from relax_core.config import (
+    DataConfig,
+    ModelConfig,
+    RunConfig,
+    WarmStartConfig,
+    config_from_dict,
+)
 
 MARKER = "PREPARED.json"
 
@@ -36,6 +42,24 @@ class PolicySpec:
     @classmethod
     def of(cls, cfg: RunConfig, data_fingerprint: str = "") -> PolicySpec:
         return cls(cfg.model, cfg.warm_start, cfg.data, cfg.seed, data_fingerprint)
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys): equal specs give equal text, so it can key a cache."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> PolicySpec:
+        data = json.loads(text)
+        sections = config_from_dict(
+            {"model": data["model"], "warm_start": data["warm_start"], "data": data["data"]}
+        )
+        return cls(
+            sections.model,
+            sections.warm_start,
+            sections.data,
+            data["seed"],
+            data["data_fingerprint"],
+        )
 
     def key(self) -> str:
         parts: dict[str, object] = {
