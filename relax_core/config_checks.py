@@ -1,0 +1,179 @@
+"""Value checks of a RunConfig that need no I/O: ranges, allowed choices, and combinations of
+settings that make no sense. Every message names the dotted field path and what is allowed.
+
+Imported by config.py (which calls `validate` when it builds a config); imports nothing of it at
+run time, so the two modules do not depend on each other in a cycle.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from relax_core.config import RewardConfig, RunConfig
+
+MODES = ("colocate",)
+MODEL_KINDS = ("tiny-qwen3", "pretrained")
+TEMPLATES = ("plain", "chat")
+LOSSES = ("grpo", "gspo", "sapo", "decoupled_ppo")
+ADVANTAGES = ("grpo", "none")
+KL_KINDS = ("k1", "k2", "k3")
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "dr_grpo")
+IS_MODES = ("none", "tis", "mis")
+IS_LEVELS = ("token", "sequence")
+DTYPES = ("float32", "bfloat16")
+
+
+def _choice(errors: list[str], path: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        errors.append(f"{path}: {value!r} is not one of {', '.join(allowed)}")
+
+
+def _positive(errors: list[str], path: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        errors.append(f"{path}: must be {bound}, got {value}")
+
+
+def judge_problems(w: RewardConfig) -> list[str]:
+    """Range checks of the GenRM judge settings (also used by rewards.check_reward)."""
+    e: list[str] = []
+    _positive(e, "reward.judge_max_new_tokens", w.judge_max_new_tokens)
+    _positive(e, "reward.judge_batch_size", w.judge_batch_size)
+    if not w.judge_timeout_s > 0:
+        e.append(f"reward.judge_timeout_s: must be > 0, got {w.judge_timeout_s}")
+    if not w.judge_source:
+        e.append("reward.judge_source: required for reward 'genrm'")
+    return e
+
+
+def _check_algorithm(e: list[str], cfg: RunConfig) -> None:
+    """Knob ranges of the loss suite and the combinations that make no sense."""
+    a, r, w = cfg.algorithm, cfg.rollout, cfg.reward
+    _choice(e, "algorithm.is_mode", a.is_mode, IS_MODES)
+    _choice(e, "algorithm.is_level", a.is_level, IS_LEVELS)
+    if a.dual_clip and a.dual_clip <= 1:
+        e.append(f"algorithm.dual_clip: must be 0 (off) or > 1, got {a.dual_clip}")
+    if a.dual_clip and a.loss == "sapo":
+        e.append("algorithm.dual_clip: SAPO has no clip to dualize; set it to 0")
+    for name in ("sapo_tau_pos", "sapo_tau_neg"):
+        if not getattr(a, name) > 0:
+            e.append(f"algorithm.{name}: must be > 0, got {getattr(a, name)}")
+    for name in ("is_cap", "behaviour_cap"):
+        if not getattr(a, name) > 1:
+            e.append(f"algorithm.{name}: must be > 1, got {getattr(a, name)}")
+    if a.loss == "gspo" and max(a.eps_clip, a.eps_clip_high) > 0.05:
+        e.append(
+            f"algorithm.eps_clip/eps_clip_high: GSPO clips a sequence-level ratio, which moves "
+            f"far less than a token's; use ~3e-4 / 4e-4, got {a.eps_clip} / {a.eps_clip_high}"
+        )
+    if a.loss == "decoupled_ppo" and a.is_mode != "none":
+        e.append(
+            "algorithm.is_mode: decoupled_ppo already weights by pi_proximal / pi_behaviour; "
+            "a second rollout correction would apply it twice (set is_mode: none)"
+        )
+    if a.advantage == "none" and a.distill_coef == 0:
+        e.append(
+            "algorithm.advantage: 'none' leaves nothing to learn from without distill_coef > 0"
+        )
+    if a.distill_coef < 0:
+        e.append(f"algorithm.distill_coef: must be >= 0, got {a.distill_coef}")
+    if a.distill_coef > 0 and not a.teacher:
+        e.append("algorithm.teacher: required when distill_coef > 0 (a checkpoint directory)")
+    if a.teacher and a.distill_coef == 0:
+        e.append(
+            "algorithm.distill_coef: a teacher is set but distill_coef is 0 (it would be unused)"
+        )
+    if r.dynamic_sampling and r.n_samples_per_prompt < 2:
+        e.append(
+            "rollout.dynamic_sampling: needs n_samples_per_prompt >= 2 (groups of one never vary)"
+        )
+    _positive(e, "rollout.max_sampling_rounds", r.max_sampling_rounds)
+    _positive(e, "reward.overlong_buffer", w.overlong_buffer, allow_zero=True)
+    if w.overlong_buffer >= r.max_new_tokens > 0:
+        e.append(
+            f"reward.overlong_buffer: {w.overlong_buffer} must be below rollout.max_new_tokens "
+            f"({r.max_new_tokens})"
+        )
+    if w.overlong_penalty < 0:
+        e.append(f"reward.overlong_penalty: must be >= 0, got {w.overlong_penalty}")
+    if w.name == "genrm":
+        e.extend(judge_problems(w))
+
+
+def validate(cfg: RunConfig) -> list[str]:
+    """Value checks that need no I/O; returns a list of problems (empty when fine)."""
+    e: list[str] = []
+    _choice(e, "mode", cfg.mode, MODES)
+    m = cfg.model
+    _choice(e, "model.kind", m.kind, MODEL_KINDS)
+    _choice(e, "model.dtype", m.dtype, DTYPES)
+    if m.kind == "pretrained" and not m.source:
+        e.append("model.source: required when model.kind is 'pretrained'")
+    if m.kind == "tiny-qwen3":
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+            _positive(e, f"model.{name}", getattr(m, name))
+        if m.num_heads > 0 and m.hidden_size % m.num_heads:
+            e.append("model.hidden_size: must be divisible by model.num_heads")
+        if m.num_kv_heads > 0 and m.num_heads % m.num_kv_heads:
+            e.append("model.num_heads: must be divisible by model.num_kv_heads")
+    _positive(e, "warm_start.steps", cfg.warm_start.steps, allow_zero=True)
+    _positive(e, "warm_start.lr", cfg.warm_start.lr)
+    _positive(e, "warm_start.batch_size", cfg.warm_start.batch_size)
+    _choice(e, "data.template", cfg.data.template, TEMPLATES)
+    _positive(e, "data.eval_size", cfg.data.eval_size, allow_zero=True)
+    r = cfg.rollout
+    if r.n_samples_per_prompt < 2:
+        e.append("rollout.n_samples_per_prompt: must be >= 2 (GRPO compares responses in a group)")
+    _positive(e, "rollout.groups_per_step", r.groups_per_step)
+    _positive(e, "rollout.max_new_tokens", r.max_new_tokens)
+    _positive(e, "rollout.temperature", r.temperature)
+    if not 0 < r.top_p <= 1:
+        e.append(f"rollout.top_p: must be in (0, 1], got {r.top_p}")
+    if cfg.mode == "colocate" and r.max_staleness != 0:
+        e.append("rollout.max_staleness: colocate mode is strict on-policy and needs 0")
+    _positive(e, "rollout.max_staleness", r.max_staleness, allow_zero=True)
+    q = cfg.queue
+    if not q.root:
+        e.append("queue.root: required (a local directory or s3://bucket/prefix)")
+    if q.endpoint_url and not q.root.startswith(("s3://", "s3a://")):
+        e.append(f"queue.endpoint_url: only used with an s3:// root, but root is {q.root!r}")
+    if q.endpoint_url and not q.endpoint_url.startswith(("http://", "https://")):
+        e.append(f"queue.endpoint_url: must start with http:// or https://, got {q.endpoint_url!r}")
+    if not q.lease_ttl_s > 0:
+        e.append(f"queue.lease_ttl_s: must be > 0, got {q.lease_ttl_s}")
+    _positive(e, "queue.retry_attempts", q.retry_attempts)
+    if not cfg.reward.name:
+        e.append("reward.name: required (a registered reward or 'module:function')")
+    a = cfg.algorithm
+    _check_algorithm(e, cfg)
+    _choice(e, "algorithm.loss", a.loss, LOSSES)
+    _choice(e, "algorithm.advantage", a.advantage, ADVANTAGES)
+    _choice(e, "algorithm.kl_kind", a.kl_kind, KL_KINDS)
+    _choice(e, "algorithm.loss_agg", a.loss_agg, LOSS_AGGS)
+    for name in ("eps_clip", "eps_clip_high"):
+        _positive(e, f"algorithm.{name}", getattr(a, name))
+    for name in ("kl_coef", "entropy_coef"):
+        _positive(e, f"algorithm.{name}", getattr(a, name), allow_zero=True)
+    t = cfg.train
+    _positive(e, "train.total_steps", t.total_steps)
+    _positive(e, "train.lr", t.lr)
+    _positive(e, "train.weight_decay", t.weight_decay, allow_zero=True)
+    _positive(e, "train.warmup_steps", t.warmup_steps, allow_zero=True)
+    _positive(e, "train.grad_clip", t.grad_clip, allow_zero=True)
+    _positive(e, "train.micro_batch_tokens", t.micro_batch_tokens)
+    _positive(e, "train.minibatches_per_step", t.minibatches_per_step)
+    if t.minibatches_per_step > cfg.rollout.groups_per_step:
+        e.append(
+            "train.minibatches_per_step: must be <= rollout.groups_per_step (groups are not split)"
+        )
+    _positive(e, "train.checkpoint_every", t.checkpoint_every)
+    _positive(e, "train.keep_checkpoints", t.keep_checkpoints)
+    _positive(e, "train.steps_per_node", t.steps_per_node)
+    _positive(e, "train.eval_every", t.eval_every, allow_zero=True)
+    _positive(e, "train.torch_threads", t.torch_threads, allow_zero=True)
+    if not cfg.run_name or "/" in cfg.run_name:
+        e.append(f"run_name: must be a non-empty name without '/', got {cfg.run_name!r}")
+    if not cfg.queue.root:
+        e.append("queue.root: required")
+    return e
