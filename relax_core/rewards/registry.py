@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from relax_core.config import RewardConfig
+from relax_core.config_checks import judge_problems
 from relax_core.rewards.choice import choice_reward
 from relax_core.rewards.digits import digits_reward
 from relax_core.rewards.f1 import f1_reward
@@ -68,10 +69,9 @@ def check_reward(cfg: RewardConfig) -> None:
     from relax_core.rewards.genrm import check_template
 
     check_template(cfg.judge_template)
-    for name in ("judge_max_new_tokens", "judge_batch_size", "judge_timeout_s"):
-        value = getattr(cfg, name)
-        if not value > 0:
-            raise ValueError(f"reward.{name}: must be > 0, got {value}")
+    problems = judge_problems(cfg)
+    if problems:
+        raise ValueError("; ".join(problems))
     try:
         resolve_source(cfg.judge_source)
     except (OSError, ImportError) as e:
