@@ -132,23 +132,25 @@ class ObjectStore:
         full = self.full_path(path)
         if self.is_local:
             return self._local_create_if_absent(full, data)
-        for attempt in range(self.retry.attempts):
+        tries = 0
+
+        def create() -> bool:
+            nonlocal tries
+            tries += 1
             try:
                 with self.fs.open(full, "xb") as f:
                     f.write(data)
                 return True
             except Exception as err:
-                if is_precondition_failed(err):
-                    if attempt == 0:
-                        return False
-                    # An earlier try may have been applied with its reply lost: the object
-                    # is ours exactly when it holds our bytes (records carry a unique payload).
-                    return self.read_bytes(path) == data
-                if not is_transient(err) or attempt + 1 == self.retry.attempts:
-                    return self._call("creating", path, _reraise(err), attempts=1)
-                self.retries_used += 1
-                time.sleep(self.retry.delay(attempt))
-        raise AssertionError("unreachable")
+                if not is_precondition_failed(err):
+                    raise  # _call retries transient faults and classifies the rest
+                if tries == 1:
+                    return False
+                # An earlier try may have been applied with its reply lost: the object is ours
+                # exactly when it holds our bytes (records carry a unique nonce).
+                return self.read_bytes(path) == data
+
+        return self._call("creating", path, create)
 
     def write_immutable(self, path: str, data: bytes) -> None:
         """Write a payload that is never rewritten; readers see all of it or nothing."""
@@ -288,13 +290,6 @@ class ObjectStore:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def _reraise(err: Exception) -> Callable[[], bool]:
-    def again() -> bool:
-        raise err
-
-    return again
 
 
 def probe_create_if_absent(store: ObjectStore, path: str) -> bool:
