@@ -73,16 +73,20 @@ class ColocateController:
         rows, metrics = self._generate(r.groups_per_step)
         if not r.dynamic_sampling:
             return rows, metrics
-        kept, dropped, rounds, generated = informative_groups(rows), 0, 1, [rows]
-        dropped += _n_groups(rows) - _n_groups(kept)
+        kept, rounds, generated = informative_groups(rows), 1, list(rows)
         while _n_groups(kept) < r.groups_per_step and rounds < r.max_sampling_rounds:
-            more, _ = self._generate(r.groups_per_step - _n_groups(kept))
-            useful = informative_groups(more)
-            dropped += _n_groups(more) - _n_groups(useful)
-            kept, rounds = kept + useful, rounds + 1
-            generated.append(more)
-        every = [row for batch in generated for row in batch]
-        metrics.update(rollout_metrics(every))
+            more, more_metrics = self._generate(r.groups_per_step - _n_groups(kept))
+            kept, rounds = kept + informative_groups(more), rounds + 1
+            generated += more
+            for key in (
+                "perf/generate_s",
+                "perf/reward_s",
+                "perf/generated_tokens",
+                "train/reward_errors",
+            ):
+                metrics[key] += more_metrics[key]  # totals over every round of the step
+        dropped = _n_groups(generated) - _n_groups(kept)
+        metrics.update(rollout_metrics(generated))
         metrics.update(
             {
                 "rollout/sampling_rounds": float(rounds),
