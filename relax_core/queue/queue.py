@@ -1,8 +1,10 @@
 """TransferQueue: the append-only, multi-writer data bus between roles, on one storage prefix.
 
 Layout under `{root}/{run_id}/` (see ARCHITECTURE.md, "The data bus"):
-  data/{stage}/{uuid}.arrow   immutable payload (whole groups, Arrow IPC, zstd)
-  log/{stage}/{seq:020d}      commit record naming one payload; created only if absent
+  log/{stage}/{seq:020d}      commit record, created only if absent: a JSON header line, then
+                              the payload itself (whole groups, Arrow IPC, zstd) when it is at
+                              most inline_max_bytes (record.py)
+  data/{stage}/{uuid}.arrow   a larger payload, immutable, named by its record
   claims/{stage}/...          consumer leases (claims.py)
   quarantine/{stage}/{seq:020d}.json (+ .arrow)   a corrupt entry, moved aside with its reason
   control/stop, control/heartbeats/{role}-{id}, control/probe/
