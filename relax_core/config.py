@@ -93,6 +93,10 @@ class RolloutConfig:
     max_sampling_rounds: int = 4
     """Dynamic sampling: at most this many generation rounds per step; a step trains on what it
     has after the last one (counted in rollout/unfilled_groups)."""
+    partial_rollout: bool = False
+    """Async mode: a weight update that arrives mid-generation is applied between decode steps
+    and generation resumes under the new weights (behaviour_version_min/max record both);
+    off = updates wait until the current batch is generated."""
 
 
 @dataclass(frozen=True)
@@ -207,6 +211,46 @@ class QueueConfig:
 
 
 @dataclass(frozen=True)
+class ServicesConfig:
+    """Async mode: how the roles run as separate services and exchange weights."""
+
+    launch: str = "processes"
+    """'processes': one Flyte task (or `relax run`) starts every role as a local OS process and
+    supervises it; 'tasks': each role is its own Flyte task, run in parallel on a cluster."""
+    rollout_workers: int = 1
+    """Rollout services sharing the admission ledger (each its own engine)."""
+    rollout_batch_groups: int = 0
+    """Groups one rollout generate call (and queue entry) holds; 0 = rollout.groups_per_step."""
+    actor_fwd: bool = False
+    """Run the actor_fwd role: old log-probs under the newest trainer weights it has received
+    (otherwise the trainer interpolates the proximal policy, algorithms/decoupled.py)."""
+    weight_sync: str = "broadcast"
+    """'broadcast': a torch.distributed group from the trainer to the engines (gloo on CPU, NCCL
+    on GPU); 'object_store': weights/v{N}/ safetensors under the queue prefix, polled."""
+    sync_backend: str = "auto"
+    """Broadcast backend: auto (nccl when CUDA is available, else gloo), gloo or nccl."""
+    sync_host: str = "127.0.0.1"
+    """Address the trainer publishes for the broadcast group (its pod IP on a cluster)."""
+    bucket_mb: int = 64
+    """Weights move in buckets of at most this many MiB."""
+    rollout_threads: int = 1
+    """torch threads of each rollout (and reference, actor_fwd) process."""
+    trainer_threads: int = 0
+    """torch threads of the trainer; 0 = elastic: the cores the other local roles leave idle
+    (a rollout waiting at the staleness bound lends its core to the trainer)."""
+    drop_over_stale: bool = False
+    """Backstop: drop whole groups older than max_staleness at the trainer (counted in
+    queue/dropped_stale_groups). Admission control already bounds staleness; this only matters
+    for rows left from before a resume."""
+    poll_s: float = 0.005
+    """How often an idle service looks for new queue entries."""
+    heartbeat_s: float = 5.0
+    """Seconds between heartbeats under control/heartbeats/."""
+    start_timeout_s: float = 300.0
+    """How long a service waits for the trainer's weight-sync rendezvous."""
+
+
+@dataclass(frozen=True)
 class TrackingConfig:
     experiment: str = "relax"
     """MLflow experiment name."""
@@ -235,7 +279,8 @@ class RunConfig:
     seed: int = 0
     """Seed for sampling, shuffling and initialisation."""
     mode: str = "colocate"
-    """Execution mode; colocate runs every role in one process per step (max_staleness 0)."""
+    """'colocate': every role in one process per step (max_staleness 0); 'async': every role
+    its own service, rollout up to rollout.max_staleness versions ahead."""
     model: ModelConfig = field(default_factory=ModelConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -244,6 +289,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
+    services: ServicesConfig = field(default_factory=ServicesConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 

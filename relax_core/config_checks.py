@@ -12,7 +12,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from relax_core.config import RewardConfig, RunConfig
 
-MODES = ("colocate",)
+MODES = ("colocate", "async")
+LAUNCHES = ("processes", "tasks")
+WEIGHT_SYNCS = ("broadcast", "object_store")
+SYNC_BACKENDS = ("auto", "gloo", "nccl")
 MODEL_KINDS = ("tiny-qwen3", "pretrained")
 TEMPLATES = ("plain", "chat")
 LOSSES = ("grpo", "gspo", "sapo", "decoupled_ppo")
@@ -101,6 +104,27 @@ def _check_algorithm(e: list[str], cfg: RunConfig) -> None:
         e.extend(judge_problems(w))
 
 
+def _check_services(e: list[str], cfg: RunConfig) -> None:
+    s = cfg.services
+    _choice(e, "services.launch", s.launch, LAUNCHES)
+    _choice(e, "services.weight_sync", s.weight_sync, WEIGHT_SYNCS)
+    _choice(e, "services.sync_backend", s.sync_backend, SYNC_BACKENDS)
+    _positive(e, "services.rollout_workers", s.rollout_workers)
+    _positive(e, "services.rollout_batch_groups", s.rollout_batch_groups, allow_zero=True)
+    _positive(e, "services.bucket_mb", s.bucket_mb)
+    _positive(e, "services.rollout_threads", s.rollout_threads)
+    _positive(e, "services.trainer_threads", s.trainer_threads, allow_zero=True)
+    for name in ("poll_s", "heartbeat_s", "start_timeout_s"):
+        _positive(e, f"services.{name}", getattr(s, name))
+    if cfg.mode != "async":
+        return
+    if cfg.rollout.dynamic_sampling:
+        e.append(
+            "rollout.dynamic_sampling: not supported in async mode (a filtered group would hold "
+            "its admission ticket and stall the staleness bound); use mode: colocate"
+        )
+
+
 def validate(cfg: RunConfig) -> list[str]:
     """Value checks that need no I/O; returns a list of problems (empty when fine)."""
     e: list[str] = []
@@ -133,6 +157,7 @@ def validate(cfg: RunConfig) -> list[str]:
     if cfg.mode == "colocate" and r.max_staleness != 0:
         e.append("rollout.max_staleness: colocate mode is strict on-policy and needs 0")
     _positive(e, "rollout.max_staleness", r.max_staleness, allow_zero=True)
+    _check_services(e, cfg)
     q = cfg.queue
     if not q.root:
         e.append("queue.root: required (a local directory or s3://bucket/prefix)")

@@ -35,7 +35,10 @@ class Completion:
     finish_reason: str
     """'stop' (EOS), 'length' (budget reached) or 'abort'."""
     policy_version: int
-    """Version of the weights that generated every token of this completion."""
+    """Version of the weights that generated the first token of this completion."""
+    policy_version_max: int | None = None
+    """Version that generated the last token, when a weight update landed mid-generation
+    (partial rollout); None = every token came from `policy_version`."""
 
 
 class RolloutEngine(Protocol):

@@ -4,11 +4,16 @@ Prompts are left-padded into one batch; positions count real tokens only, so a p
 not depend on what it was batched with. Rows that emit EOS stop contributing tokens but stay in the
 batch until every row is done or the budget is spent (the tiny CPU models gain nothing from
 compacting the batch).
+
+Partial rollouts: with `weight_poll` set, the engine calls it between decode steps; when it
+reports that new weights were loaded, the KV cache (computed by the old weights) is rebuilt by
+one prefill of prompt + tokens so far, and generation continues under the new weights. Each
+token's log-prob stays the one of the weights that sampled it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -33,6 +38,8 @@ class TorchEngine:
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0
         self._paused = False
+        self.weight_poll: Callable[[], bool] | None = None
+        """Called between decode steps; returns True when it loaded new weights."""
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
@@ -60,6 +67,8 @@ class TorchEngine:
         done = torch.zeros(batch, dtype=torch.bool)
         lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long)
         step_ids, step_pos = input_ids, positions
+        first_version = self.version
+        last_version = torch.full((batch,), first_version, dtype=torch.long)
         for t in range(params.max_new_tokens):
             logits = self.model(
                 input_ids=step_ids,
@@ -71,6 +80,7 @@ class TorchEngine:
             tok, lp = sample_tokens(
                 logits, params.temperature, params.top_p, params.greedy, self.generator
             )
+            last_version[~done] = self.version
             tok = tok.masked_fill(done, self.pad_token_id)
             tokens[:, t], logprobs[:, t] = tok, lp
             newly_done = ~done & (tok == self.eos_token_id)
@@ -81,7 +91,12 @@ class TorchEngine:
             step_ids = tok.unsqueeze(-1)
             step_pos = step_pos[:, -1:] + 1
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], dim=-1)
-        return self._completions(tokens, logprobs, lengths, done)
+            if self.weight_poll is not None and self.weight_poll():
+                # The cache holds keys/values of the old weights: one prefill rebuilds it.
+                step_ids = torch.cat([input_ids, tokens[:, : t + 1]], dim=-1)
+                step_pos = (mask.cumsum(-1) - 1).clamp(min=0)
+                cache = DynamicCache()
+        return self._completions(tokens, logprobs, lengths, done, first_version, last_version)
 
     def _completions(
         self,
@@ -89,6 +104,8 @@ class TorchEngine:
         logprobs: torch.Tensor,
         lengths: torch.Tensor,
         done: torch.Tensor,
+        first_version: int,
+        last_version: torch.Tensor,
     ) -> list[Completion]:
         out = []
         for row, n in enumerate(lengths.tolist()):
@@ -97,7 +114,10 @@ class TorchEngine:
                     response_ids=tokens[row, :n].tolist(),
                     logprobs=logprobs[row, :n].tolist(),
                     finish_reason="stop" if bool(done[row]) else "length",
-                    policy_version=self.version,
+                    policy_version=first_version,
+                    policy_version_max=(
+                        None if last_version[row] == first_version else int(last_version[row])
+                    ),
                 )
             )
         return out

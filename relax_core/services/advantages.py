@@ -35,3 +35,25 @@ def add_advantages(
             for a, st, te, m in zip(per_token, student, teacher, masks, strict=True)
         ]
     return with_columns(table, advantages=per_token)
+
+
+def serve(ctx) -> None:
+    """The advantages service: `ref`/`fwd`/`rollout` entries -> `ready` (same seq)."""
+    a = ctx.cfg.algorithm
+    from relax_core.services.role import serve_stage
+
+    serve_stage(
+        ctx, lambda table: add_advantages(table, a.advantage, a.normalize_adv_std, a.distill_coef)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from relax_core.services.role import role_main
+
+    return role_main("advantages", serve, argv)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -48,3 +48,9 @@ class PromptSource:
         picks, cursor = self.sampler.take(cursor, n)
         items = [PromptItem(e, i, self.rows[i], self.prompt_ids(i)) for e, i in picks]
         return items, cursor
+
+    def at(self, first: int, n: int) -> list[PromptItem]:
+        """The `n` prompts from global position `first` of the dataset stream (position p is
+        prompt p % size of epoch p // size's order), as async rollout tickets number them."""
+        size = self.sampler.num_prompts
+        return self.take(DatasetCursor(epoch=first // size, index=first % size), n)[0]

@@ -28,3 +28,48 @@ def add_ref_logprobs(
         for j, i in enumerate(rows):
             out[i] = logprobs[j, : lengths[i]].tolist()
     return with_columns(table, **{column: out})
+
+
+def serve(ctx) -> None:
+    """The reference service: `rollout` entries -> `ref` with ref_logprobs (KL anchor: the
+    run's starting policy) and/or teacher_logprobs (distillation)."""
+    from relax_core.models.policy import load_policy, load_teacher
+    from relax_core.services.role import serve_stage, set_threads
+    from relax_core.train.checkpoint import read_state
+
+    cfg = ctx.cfg
+    set_threads(cfg.services.rollout_threads)
+    start_policy = read_state(ctx.checkpoint).get("policy_dir") or ctx.checkpoint
+    model, tokenizer = load_policy(start_policy, cfg.model.dtype)
+    frozen = []
+    if cfg.algorithm.kl_coef > 0:
+        frozen.append((model.eval().requires_grad_(False), "ref_logprobs"))
+    if cfg.algorithm.distill_coef > 0:
+        teacher, _ = load_teacher(cfg.algorithm.teacher, tokenizer, cfg.model.dtype)
+        frozen.append((teacher, "teacher_logprobs"))
+
+    def transform(table: pa.Table) -> pa.Table:
+        for m, column in frozen:
+            table = add_ref_logprobs(
+                m,
+                table,
+                tokenizer.pad_token_id,
+                cfg.train.micro_batch_tokens,
+                cfg.rollout.temperature,
+                column,
+            )
+        return table
+
+    serve_stage(ctx, transform, busy_threads=cfg.services.rollout_threads)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from relax_core.services.role import role_main
+
+    return role_main("reference", serve, argv)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -66,7 +66,11 @@ def rollout_groups(
                 "reward_info": info,
                 "finish_reason": comp.finish_reason,
                 "behaviour_version_min": comp.policy_version,
-                "behaviour_version_max": comp.policy_version,
+                "behaviour_version_max": (
+                    comp.policy_version
+                    if comp.policy_version_max is None
+                    else comp.policy_version_max
+                ),
                 "turns": 1,
             }
         )
@@ -100,3 +104,130 @@ def informative_groups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rewards.setdefault(row["group_id"], []).append(row["reward"])
     keep = {g for g, values in rewards.items() if has_signal(values)}
     return [row for row in rows if row["group_id"] in keep]
+
+
+# ---------------------------------------------------------------------------- async service
+
+
+def serve(ctx) -> None:
+    """The rollout service: admit groups under the staleness bound, generate, score, append.
+
+    Groups are numbered by admission tickets (`AdmissionLedger`), and ticket i is prompt i of the
+    dataset stream, so several workers and a restarted worker hand out every prompt once. New
+    weights arrive in the background; they are applied between generate calls, or between
+    decode steps with `rollout.partial_rollout`.
+    """
+    import contextlib
+    import os
+
+    from relax_core.data.dataset import load_prompts
+    from relax_core.models.policy import load_policy
+    from relax_core.queue import AdmissionLedger, rows_to_table
+    from relax_core.rewards.registry import build_reward
+    from relax_core.rollout.torch_engine import TorchEngine
+    from relax_core.services.cores import CoreShare
+    from relax_core.services.prompts import PromptSource
+    from relax_core.services.role import set_threads
+    from relax_core.services.weights import make_receiver
+    from relax_core.sync import apply_update
+    from relax_core.sync.buckets import specs_of
+    from relax_core.train.checkpoint import read_state
+
+    cfg, s, r = ctx.cfg, ctx.cfg.services, ctx.cfg.rollout
+    set_threads(s.rollout_threads)
+    model, tokenizer = load_policy(ctx.checkpoint, cfg.model.dtype)
+    version = int(read_state(ctx.checkpoint)["policy_version"])
+    # Distinct sampling streams per worker and per (re)start version.
+    engine = TorchEngine(
+        model,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        seed=cfg.seed * 1_000_003 + ctx.worker * 7919 + version,
+    )
+    engine.version = version
+    receiver = make_receiver(
+        cfg, ctx.queue, specs_of(model.named_parameters()), "rollout", ctx.worker
+    )
+    ctx.status["state"] = "joining weight sync"
+    receiver.init()
+    receiver.start()
+
+    def apply_pending() -> bool:
+        update = receiver.take()
+        if update is None:
+            return False
+        apply_update(engine, update)
+        ctx.status["policy_version"] = engine.version
+        return True
+
+    if r.partial_rollout:
+        engine.weight_poll = apply_pending
+    reward_fn = build_reward(
+        cfg.reward,
+        cache_dir=os.path.join(cfg.checkpoint.policy_cache_dir, "hf"),
+        dtype=cfg.model.dtype,
+        seed=cfg.seed,
+    )
+    d = cfg.data
+    prompts = PromptSource(
+        load_prompts(d.train_path), tokenizer, d.template, d.system_prompt, cfg.seed, d.shuffle
+    )
+    ledger = AdmissionLedger(ctx.queue)
+    params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p)
+    chunk = s.rollout_batch_groups or r.groups_per_step
+    cores = CoreShare.from_env(ctx.name)
+    waited, wait_start = 0.0, None
+    try:
+        while not ctx.stopped():
+            apply_pending()
+            first, count = ledger.try_admit(
+                chunk, engine.version, r.max_staleness, r.groups_per_step, worker=ctx.name
+            )
+            if count == 0:
+                if wait_start is None:
+                    wait_start = time.perf_counter()
+                    ctx.status["state"] = f"at the staleness bound ({first} groups started)"
+                receiver.wait(timeout=0.05)
+                continue
+            if wait_start is not None:
+                waited += time.perf_counter() - wait_start
+                wait_start = None
+            ctx.status["state"] = f"generating groups {first}..{first + count - 1}"
+            busy = cores.busy(s.rollout_threads) if cores else contextlib.nullcontext()
+            with busy:
+                rows, metrics = rollout_groups(
+                    engine,
+                    tokenizer,
+                    prompts.at(first, count),
+                    params,
+                    r.n_samples_per_prompt,
+                    reward_fn,
+                    cfg.reward.overlong_buffer,
+                    cfg.reward.overlong_penalty,
+                )
+            metrics["perf/rollout_wait_s"] = waited
+            waited = 0.0
+            ctx.queue.put(
+                "rollout",
+                rows_to_table(rows),
+                {
+                    "policy_version": engine.version,
+                    "tickets": [first, count],
+                    "worker": ctx.name,
+                    "metrics": metrics,
+                },
+            )
+    finally:
+        receiver.destroy()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from relax_core.services.role import role_main
+
+    return role_main("rollout", serve, argv)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

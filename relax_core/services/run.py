@@ -1,4 +1,7 @@
-"""Run lifecycle for colocate mode: preflight -> start (eval at step 0) -> steps -> finish.
+"""Run lifecycle: preflight -> start (eval at step 0) -> steps -> finish.
+
+Colocate: `run_steps` trains in this process. Async: the steps are the role services
+(supervisor.py locally; parallel Flyte tasks on a cluster); start and finish are shared.
 
 These are the functions the Flyte tasks call (one per node) and the `python -m
 relax_core.services.run` CLI calls in one process. Each takes the config and a checkpoint path and
@@ -73,7 +76,7 @@ def preflight(cfg: RunConfig) -> None:
         raise ConfigError("config cannot run:\n  - " + "\n  - ".join(problems))
 
 
-def _monitor(cfg: RunConfig, state: RunState) -> Monitor:
+def monitor_for(cfg: RunConfig, state: RunState) -> Monitor:
     from relax_core.tracking import MLflowMonitor
 
     return MLflowMonitor(
@@ -84,8 +87,8 @@ def _monitor(cfg: RunConfig, state: RunState) -> Monitor:
     )
 
 
-def _tags(state: RunState) -> dict[str, str]:
-    tags = {"relax.run_id": state.run_id, "relax.mode": "colocate"}
+def run_tags(state: RunState, mode: str) -> dict[str, str]:
+    tags = {"relax.run_id": state.run_id, "relax.mode": mode}
     execution = os.environ.get("FLYTE_INTERNAL_EXECUTION_ID")
     if execution:
         tags["flyte.execution_id"] = execution
@@ -109,8 +112,8 @@ def start_run(cfg: RunConfig, policy_dir: str) -> str:
     run_id = f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     state = RunState(run_id=run_id, policy_dir=policy_dir, started_at=time.time())
     session = RunSession(cfg, policy_dir, state)
-    monitor = _monitor(cfg, state)
-    state.tracking_run_id = monitor.start(dataclasses.asdict(cfg), _tags(state))
+    monitor = monitor_for(cfg, state)
+    state.tracking_run_id = monitor.start(dataclasses.asdict(cfg), run_tags(state, cfg.mode))
     state.eval_before = ColocateController(session).evaluate()
     monitor.log_metrics(state.eval_before, step=0)
     monitor.flush()
@@ -126,8 +129,8 @@ def run_steps(cfg: RunConfig, checkpoint: str, max_steps: int) -> str:
     target = min(total, state.policy_version + max_steps)
     if state.policy_version >= target:
         return checkpoint
-    monitor = _monitor(cfg, state)
-    monitor.start(dataclasses.asdict(cfg), _tags(state))
+    monitor = monitor_for(cfg, state)
+    monitor.start(dataclasses.asdict(cfg), run_tags(state, cfg.mode))
     latest = checkpoint
     bar = ProgressBar(total, state.policy_version, enabled=cfg.tracking.progress)
     try:
@@ -154,8 +157,8 @@ def finish_run(cfg: RunConfig, checkpoint: str) -> dict[str, Any]:
     session = RunSession.from_checkpoint(cfg, checkpoint)
     state = session.state
     after = ColocateController(session).evaluate()
-    monitor = _monitor(cfg, state)
-    monitor.start(dataclasses.asdict(cfg), _tags(state))
+    monitor = monitor_for(cfg, state)
+    monitor.start(dataclasses.asdict(cfg), run_tags(state, cfg.mode))
     monitor.log_metrics(after, step=state.policy_version)
     monitor.finish("FINISHED")
     summary = {
@@ -174,6 +177,10 @@ def finish_run(cfg: RunConfig, checkpoint: str) -> dict[str, Any]:
     return summary
 
 
+def read_version(checkpoint: str) -> int:
+    return int(ckpt.read_state(checkpoint)["policy_version"])
+
+
 def newest_checkpoint(checkpoint: str) -> str:
     """The newest checkpoint of the run `checkpoint` belongs to (what a retried node resumes)."""
     found = ckpt.list_checkpoints(os.path.dirname(os.path.abspath(checkpoint)))
@@ -181,7 +188,7 @@ def newest_checkpoint(checkpoint: str) -> str:
 
 
 def run(cfg: RunConfig) -> dict[str, Any]:
-    """The whole colocate run in this process (what the Flyte workflow does node by node)."""
+    """The whole run from this process (what the Flyte workflow does node by node)."""
     from relax_core.data.dataset import fingerprint
     from relax_core.models.policy import PolicySpec, prepare_policy
 
@@ -190,13 +197,18 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         torch.set_num_threads(cfg.train.torch_threads)
     spec = PolicySpec.of(cfg, fingerprint(cfg.data.train_path))
     checkpoint = start_run(cfg, prepare_policy(spec, cfg.checkpoint.policy_cache_dir))
-    while ckpt.read_state(checkpoint)["policy_version"] < cfg.train.total_steps:
+    if cfg.mode == "async":
+        # Outside Flyte there is one machine: the roles run as supervised local processes.
+        from relax_core.services.supervisor import run_async_local
+
+        checkpoint = run_async_local(cfg, checkpoint)
+    while cfg.mode == "colocate" and read_version(checkpoint) < cfg.train.total_steps:
         checkpoint = run_steps(cfg, checkpoint, cfg.train.steps_per_node)
     return finish_run(cfg, checkpoint)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run colocate RL without Flyte.")
+    parser = argparse.ArgumentParser(description="Run RL (colocate or async) without Flyte.")
     parser.add_argument("--cfg", required=True, help="YAML run config")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

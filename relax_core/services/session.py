@@ -43,6 +43,9 @@ class RunState:
     eval_before: dict[str, float] = field(default_factory=dict)
     train_seconds: float = 0.0
     orphaned_groups: int = 0
+    ready_cursor: dict[str, Any] = field(default_factory=lambda: {"through": -1, "beyond": []})
+    """Async trainer: `ready` entries fully trained (StageCursor) plus, under "partial", the
+    group ids already trained of entries a step batch split."""
     rng: dict[str, Any] = field(default_factory=dict)
 
 
@@ -100,7 +103,9 @@ class RunSession:
     @classmethod
     def from_checkpoint(cls, cfg: RunConfig, path: str) -> RunSession:
         raw = ckpt.read_state(path)
-        state = RunState(**{f.name: raw[f.name] for f in dataclasses.fields(RunState)})
+        state = RunState(
+            **{f.name: raw[f.name] for f in dataclasses.fields(RunState) if f.name in raw}
+        )
         session = cls(cfg, path, state)
         if os.path.isfile(os.path.join(path, "optimizer.pt")):
             session.backend.load(path)

@@ -136,3 +136,17 @@ def train_on_table(
         min(table.column("behaviour_version_min").to_pylist())
     )
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m relax_core.services.trainer`: the async trainer service (async_trainer.py)."""
+    from relax_core.services.async_trainer import serve
+    from relax_core.services.role import role_main
+
+    return role_main("trainer", serve, argv)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from transformers import PreTrainedModel
@@ -57,6 +57,8 @@ class TorchBackend:
             weight_decay=weight_decay,
             betas=(0.9, 0.99),
         )
+        self.before_micro_batch: Callable[[], None] | None = None
+        """Called before each micro-batch's forward (e.g. to take cores other roles freed)."""
 
     def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return response_logprobs(self.model, mb, self.temperature)
@@ -72,6 +74,8 @@ class TorchBackend:
         sums: dict[str, float] = {}
         total_seqs = sum(mb.num_seqs for mb in micro_batches)
         for mb in micro_batches:
+            if self.before_micro_batch is not None:
+                self.before_micro_batch()
             logprobs, entropy = self._forward(mb)
             loss, metrics = loss_fn(logprobs, entropy, mb)
             loss.backward()

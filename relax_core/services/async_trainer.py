@@ -1,0 +1,391 @@
+"""The async trainer service: step batches from `ready`, optimizer steps, weight pushes, MLflow.
+
+Per step with policy version v:
+  read new `ready` entries -> pool of untrained groups (with their behaviour versions)
+  -> `select_step_groups`: the G oldest, none newer than a group still being generated
+  -> train_on_table (staleness measured from v) -> v + 1 -> push weights to every engine
+  -> metrics (staleness histogram, where the time went, the rollout's own metrics from the
+     entries' meta) to the run's MLflow run -> checkpoint every N steps.
+The checkpoint records which `ready` entries (and which groups of a partly trained one) were
+trained, so a resumed trainer neither repeats nor skips a group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections import Counter
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from relax_core.queue import (
+    StageCursor,
+    select_step_groups,
+    split_over_stale,
+    staleness_histogram,
+    table_to_rows,
+)
+from relax_core.services.role import RoleContext, set_threads
+from relax_core.services.rollout import rollout_metrics
+from relax_core.services.session import RunState
+from relax_core.services.trainer import train_on_table
+from relax_core.train import checkpoint as ckpt
+
+log = logging.getLogger(__name__)
+
+# Rollout metrics that add up over the entries a step consumed (the others are averaged).
+_SUMMED = ("perf/generate_s", "perf/reward_s", "perf/generated_tokens", "perf/rollout_wait_s")
+
+
+class ReadyPool:
+    """Untrained groups read from `ready`, and what is known about groups still in flight.
+
+    In flight = admitted by the ledger but not yet in `ready`, by behaviour version. Ticket
+    blocks and commit records never change once written, so each is read once.
+    """
+
+    def __init__(self, ctx: RoleContext, cursor: dict[str, Any]) -> None:
+        self.ctx = ctx
+        self.queue = ctx.queue
+        self.cursor = StageCursor.from_dict(cursor)
+        self.partial: dict[int, set[str]] = {
+            int(k): set(v) for k, v in cursor.get("partial", {}).items()
+        }
+        self.tables: dict[int, pa.Table] = {}  # seq -> rows not trained yet
+        self.groups: dict[str, tuple[int, int]] = {}  # group id -> (behaviour version, seq)
+        self.meta: list[dict[str, Any]] = []  # metrics of entries read since the last step
+        self._tickets: dict[str, dict[str, Any]] = {}
+        self._arrived: Counter[int] = Counter()  # behaviour version -> groups seen in ready
+        self._seen: set[int] = set()
+        self.quarantined = 0
+
+    # ---- reading -----------------------------------------------------------------------
+    def refresh(self) -> int:
+        """Read every `ready` entry not seen yet; returns how many were new."""
+        new = 0
+        for seq in self.queue.committed("ready", self.cursor.through):
+            if seq in self._seen or self.cursor.consumed(seq):
+                if seq not in self._seen:
+                    self._count_arrived(seq, None)
+                continue
+            self._seen.add(seq)
+            new += 1
+            entry = self.queue.entry("ready", seq)
+            self._count_arrived(seq, entry.record if entry.table is not None else None)
+            if entry.table is None:
+                log.warning("ready entry %d has no rows (%s)", seq, entry.skipped)
+                self.quarantined += 1
+                self.cursor.advance(seq)
+                continue
+            table = entry.table
+            trained = self.partial.get(seq)
+            if trained:
+                keep = pc.invert(pc.is_in(table.column("group_id"), pa.array(sorted(trained))))
+                table = table.filter(keep)
+            self.tables[seq] = table
+            versions = table.column("behaviour_version_min").to_pylist()
+            for gid, version in zip(table.column("group_id").to_pylist(), versions, strict=True):
+                old = self.groups.get(gid)
+                self.groups[gid] = (min(version, old[0]) if old else version, seq)
+            self.meta.append(entry.record.get("meta") or {})
+        return new
+
+    def _count_arrived(self, seq: int, record: dict[str, Any] | None) -> None:
+        """Count the groups of ready entry `seq` as no longer in flight. A tombstone's groups
+        are looked up in the rollout record of the same seq (the stages keep seqs)."""
+        if record is None:
+            try:
+                record = self.queue.record("rollout", seq)
+            except Exception:  # an unreadable rollout record: its groups cannot be placed
+                return
+        for version, count in (record.get("versions") or {}).items():
+            self._arrived[int(version)] += int(count)
+
+    def in_flight_versions(self) -> list[int]:
+        """Behaviour versions that still have admitted groups not in `ready`."""
+        store = self.queue.store
+        for name in store.list_dir("tickets"):
+            if name not in self._tickets and name.isdigit():
+                self._tickets[name] = json.loads(store.read_bytes(f"tickets/{name}"))
+        admitted: Counter[int] = Counter()
+        for body in self._tickets.values():
+            admitted[int(body["policy_version"])] += int(body["count"])
+        return [v for v, n in admitted.items() if n > self._arrived.get(v, 0)]
+
+    # ---- taking a step batch -----------------------------------------------------------
+    def select(self, groups_per_step: int, ignore_in_flight: bool) -> list[str] | None:
+        available = [(gid, version) for gid, (version, _) in self.groups.items()]
+        in_flight = [] if ignore_in_flight else self.in_flight_versions()
+        return select_step_groups(available, in_flight, groups_per_step)
+
+    def take(self, group_ids: list[str]) -> pa.Table:
+        """Remove `group_ids` from the pool and return their rows (entries fully trained
+        advance the cursor; partly trained ones are remembered in `partial`)."""
+        by_seq: dict[int, set[str]] = {}
+        for gid in group_ids:
+            _, seq = self.groups.pop(gid)
+            by_seq.setdefault(seq, set()).add(gid)
+        parts = []
+        for seq, gids in sorted(by_seq.items()):
+            table = self.tables[seq]
+            chosen = pc.is_in(table.column("group_id"), pa.array(sorted(gids)))
+            parts.append(table.filter(chosen))
+            rest = table.filter(pc.invert(chosen))
+            if rest.num_rows:
+                self.tables[seq] = rest
+                self.partial.setdefault(seq, set()).update(gids)
+            else:
+                del self.tables[seq]
+                self.partial.pop(seq, None)
+                self.cursor.advance(seq)
+        return pa.concat_tables(parts)
+
+    def state(self) -> dict[str, Any]:
+        return {
+            **self.cursor.to_dict(),
+            "partial": {str(k): sorted(v) for k, v in self.partial.items()},
+        }
+
+    def pop_meta(self) -> list[dict[str, Any]]:
+        meta, self.meta = self.meta, []
+        return meta
+
+
+def _entry_metrics(metas: list[dict[str, Any]]) -> dict[str, float]:
+    """Rollout time and token totals of the entries read since the last step."""
+    out = dict.fromkeys(_SUMMED, 0.0)
+    for meta in metas:
+        for key, value in (meta.get("metrics") or {}).items():
+            if key in out:
+                out[key] += float(value)
+    return out
+
+
+class AsyncTrainer:
+    def __init__(self, ctx: RoleContext) -> None:
+        from relax_core.models.policy import load_policy
+        from relax_core.services.cores import CoreShare
+        from relax_core.services.weights import make_sender
+        from relax_core.sync.buckets import specs_of
+        from relax_core.train.torch_backend import TorchBackend
+
+        self.ctx = ctx
+        cfg = self.cfg = ctx.cfg
+        s = cfg.services
+        set_threads(s.trainer_threads)
+        raw = ckpt.read_state(ctx.checkpoint)
+        self.state = RunState(
+            **{f.name: raw[f.name] for f in dataclasses.fields(RunState) if f.name in raw}
+        )
+        if self.state.run_id != ctx.run_id:
+            raise ValueError(
+                f"checkpoint {ctx.checkpoint} belongs to run {self.state.run_id!r}, "
+                f"not {ctx.run_id!r}"
+            )
+        self.model, self.tokenizer = load_policy(ctx.checkpoint, cfg.model.dtype)
+        t = cfg.train
+        self.backend = TorchBackend(
+            self.model, t.lr, t.weight_decay, t.grad_clip, cfg.rollout.temperature, t.warmup_steps
+        )
+        if os.path.isfile(os.path.join(ctx.checkpoint, "optimizer.pt")):
+            self.backend.load(ctx.checkpoint)
+        self.cores = CoreShare.from_env(ctx.name) if s.trainer_threads == 0 else None
+        if self.cores is not None:
+            cores = self.cores
+            self.backend.before_micro_batch = lambda: torch.set_num_threads(cores.free())
+        self.pool = ReadyPool(ctx, self.state.ready_cursor)
+        self.sender = make_sender(cfg, ctx.queue, specs_of(self.model.named_parameters()))
+        self.run_dir = os.path.join(cfg.checkpoint.dir, self.state.run_id)
+        self._eval = None
+
+    # ---- pieces ------------------------------------------------------------------------
+    def save_checkpoint(self) -> str:
+        self.state.ready_cursor = self.pool.state()
+        self.state.rng = {}
+
+        def write_model(directory: str) -> None:
+            self.backend.save(directory)
+            self.tokenizer.save_pretrained(directory)
+
+        return ckpt.save_checkpoint(
+            self.run_dir,
+            self.state.policy_version,
+            write_model,
+            {**dataclasses.asdict(self.state), "config": dataclasses.asdict(self.cfg)},
+            self.cfg.train.keep_checkpoints,
+        )
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out greedy eval with the trainer's own weights (no copy, no sync)."""
+        from relax_core.data.dataset import load_prompts
+        from relax_core.rewards.registry import build_reward
+        from relax_core.rollout.torch_engine import TorchEngine
+        from relax_core.services.evaluation import evaluate
+        from relax_core.services.prompts import PromptSource
+
+        cfg, tok = self.cfg, self.tokenizer
+        if self._eval is None:
+            d = cfg.data
+            source = PromptSource(
+                load_prompts(d.eval_path), tok, d.template, d.system_prompt, cfg.seed, False
+            )
+            reward = build_reward(
+                cfg.reward,
+                cache_dir=os.path.join(cfg.checkpoint.policy_cache_dir, "hf"),
+                dtype=cfg.model.dtype,
+                seed=cfg.seed,
+            )
+            self._eval = (source, reward)
+        source, reward = self._eval
+        engine = TorchEngine(self.model, tok.eos_token_id, tok.pad_token_id, seed=cfg.seed)
+        try:
+            return evaluate(
+                engine, tok, source, reward, cfg.rollout.max_new_tokens, cfg.data.eval_size
+            )
+        finally:
+            self.model.train()
+
+    def next_batch(self) -> tuple[pa.Table, float]:
+        """Block until a step batch can be formed; returns it and the seconds waited."""
+        r, ctx = self.cfg.rollout, self.ctx
+        t0 = time.perf_counter()
+        blocked_since: float | None = None
+        while True:
+            self.pool.refresh()
+            enough = len(self.pool.groups) >= r.groups_per_step
+            # A group lost upstream (a quarantined rollout entry) never arrives; after a lease
+            # TTL of waiting with a full batch on hand, stop waiting for it.
+            stuck = (
+                blocked_since is not None
+                and time.perf_counter() - blocked_since > self.cfg.queue.lease_ttl_s
+            )
+            chosen = self.pool.select(r.groups_per_step, ignore_in_flight=stuck) if enough else None
+            if chosen is not None:
+                if stuck:
+                    log.warning(
+                        "step %d: in-flight groups never arrived; trained without them",
+                        self.state.policy_version,
+                    )
+                return self.pool.take(chosen), time.perf_counter() - t0
+            if enough and blocked_since is None:
+                blocked_since = time.perf_counter()
+            if ctx.stopped():
+                raise RuntimeError("control/stop appeared before the run finished")
+            ctx.status["state"] = f"waiting for ready groups ({len(self.pool.groups)} on hand)"
+            ctx.sleep()
+
+    def step(self) -> dict[str, float]:
+        cfg, state = self.cfg, self.state
+        a, r = cfg.algorithm, cfg.rollout
+        v = state.policy_version
+        t0 = time.perf_counter()
+        batch, waited = self.next_batch()
+        dropped = 0
+        if cfg.services.drop_over_stale:
+            batch, dropped = split_over_stale(batch, v, r.max_staleness)
+        self.ctx.status["state"] = f"training step {v}"
+        t1 = time.perf_counter()
+        metrics = train_on_table(
+            self.backend,
+            batch,
+            a,
+            self.tokenizer.pad_token_id,
+            cfg.train.micro_batch_tokens,
+            cfg.train.minibatches_per_step,
+            train_version=v,
+            max_new_tokens=r.max_new_tokens,
+        )
+        t2 = time.perf_counter()
+        state.policy_version = v + 1
+        self.sender.push(self.backend.named_weights(), v + 1)
+        self.ctx.status["policy_version"] = v + 1
+        t3 = time.perf_counter()
+        rows = table_to_rows(batch)
+        for row in rows:  # stored as JSON text in the queue
+            if isinstance(row["reward_info"], str):
+                row["reward_info"] = json.loads(row["reward_info"])
+        metrics.update(rollout_metrics(rows))
+        metrics.update(_entry_metrics(self.pool.pop_meta()))
+        groups: dict[str, int] = {}
+        for row in rows:
+            groups[row["group_id"]] = min(
+                row["behaviour_version_min"], groups.get(row["group_id"], 1 << 62)
+            )
+        hist = staleness_histogram(v, groups.values())
+        staleness = [v - b for b in groups.values()]
+        step_s = t3 - t0
+        metrics.update(
+            {
+                "train/staleness_mean": sum(staleness) / max(1, len(staleness)),
+                "train/staleness_max": float(max(staleness, default=0)),
+                **{f"train/staleness_hist_{k}": float(n) for k, n in hist.items()},
+                "perf/step_s": step_s,
+                "perf/trainer_wait_s": waited,
+                "perf/train_s": t2 - t1,
+                "perf/sync_s": t3 - t2,
+                "perf/tokens_per_s": float(sum(len(x["response_ids"]) for x in rows)) / step_s,
+                "queue/ready_groups_on_hand": float(len(self.pool.groups)),
+                "queue/ready_through": float(self.pool.cursor.through),
+                "queue/dropped_stale_groups": float(dropped),
+                "queue/quarantined_entries": float(self.pool.quarantined),
+            }
+        )
+        state.train_seconds += step_s
+        return metrics
+
+    # ---- the loop ----------------------------------------------------------------------
+    def run(self) -> str:
+        from relax_core.services.run import monitor_for, run_tags
+        from relax_core.tracking import ProgressBar
+
+        cfg, state, ctx = self.cfg, self.state, self.ctx
+        total = cfg.train.total_steps
+        monitor = monitor_for(cfg, state)
+        monitor.start(dataclasses.asdict(cfg), run_tags(state, "async"))
+        ctx.status["state"] = "waiting for the engines to join weight sync"
+        self.sender.init()
+        bar = ProgressBar(total, state.policy_version, enabled=cfg.tracking.progress)
+        latest = self.ctx.checkpoint
+        try:
+            while state.policy_version < total:
+                metrics = self.step()
+                v = state.policy_version
+                every = cfg.train.eval_every
+                if every and v % every == 0 and v < total:
+                    metrics.update(self.evaluate())
+                monitor.log_metrics(metrics, step=v)
+                bar.update(v, metrics)
+                if v % cfg.train.checkpoint_every == 0 or v == total:
+                    monitor.flush()
+                    latest = os.path.abspath(self.save_checkpoint())
+        finally:
+            bar.close()
+            monitor.flush()
+        return latest
+
+    def close(self) -> None:
+        self.sender.destroy()
+
+
+def serve(ctx: RoleContext) -> None:
+    """Train to `train.total_steps`, then end the run: engines get STOP through weight sync,
+    every service through `control/stop`. On failure only `control/stop` is written (a
+    receiver may be gone, so no collective is attempted)."""
+    trainer = AsyncTrainer(ctx)
+    try:
+        final = trainer.run()
+    except BaseException:
+        ctx.queue.stop()
+        raise
+    with open(os.path.join(trainer.run_dir, "final_checkpoint"), "w") as f:
+        f.write(final)
+    try:
+        trainer.close()
+    finally:
+        ctx.queue.stop()
