@@ -54,9 +54,11 @@ class CoreShare:
         for name in os.listdir(self.directory):
             if name == self.me or name.startswith("."):
                 continue
-            with contextlib.suppress(OSError, ValueError):
-                with open(os.path.join(self.directory, name)) as f:
-                    used += int(f.read() or 0)
+            with (
+                contextlib.suppress(OSError, ValueError),
+                open(os.path.join(self.directory, name)) as f,
+            ):
+                used += int(f.read() or 0)
         return used
 
     def free(self) -> int:
