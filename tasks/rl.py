@@ -49,6 +49,13 @@ class RunSummary:
 class Prepared(NamedTuple):
     cfg_json: str
     data_fingerprint: str
+    execution: str
+    """How the steps run: 'colocate', 'async-processes' (one task supervising local role
+    processes) or 'async-tasks' (one task per role, in parallel on a cluster)."""
+
+
+def execution_of(cfg: RunConfig) -> str:
+    return "colocate" if cfg.mode == "colocate" else f"async-{cfg.services.launch}"
 
 
 def _cfg(cfg_json: str) -> RunConfig:
@@ -64,7 +71,11 @@ def prepare_data(cfg: RunConfig) -> Prepared:
 
     preflight(cfg)
     cfg_json = json.dumps(config_to_dict(cfg), sort_keys=True)
-    return Prepared(cfg_json=cfg_json, data_fingerprint=fingerprint(cfg.data.train_path))
+    return Prepared(
+        cfg_json=cfg_json,
+        data_fingerprint=fingerprint(cfg.data.train_path),
+        execution=execution_of(cfg),
+    )
 
 
 @task(
@@ -116,6 +127,82 @@ def rl_steps(cfg_json: str, checkpoint: str) -> str:
 
     cfg = _cfg(cfg_json)
     return run.run_steps(cfg, run.newest_checkpoint(checkpoint), cfg.train.steps_per_node)
+
+
+@task(
+    requests=GPU,
+    limits=GPU_LIMITS,
+    accelerator=H100,
+    retries=1,
+    timeout=timedelta(hours=12),
+)
+def async_local(cfg_json: str, checkpoint: str) -> str:
+    """Async mode on one machine: every role as a supervised OS process; returns the final
+    checkpoint. (flytekit's local execution runs nodes one after another, so role tasks could
+    not run side by side there.)"""
+    from relax_core.services import run
+    from relax_core.services.supervisor import run_async_local
+
+    return run_async_local(_cfg(cfg_json), run.newest_checkpoint(checkpoint))
+
+
+def _serve(role: str, cfg_json: str, checkpoint: str, worker: int = 0) -> None:
+    from relax_core.services.role import run_role, serve_fn
+    from relax_core.train.checkpoint import read_state
+
+    run_id = read_state(checkpoint)["run_id"]
+    run_role(role, serve_fn(role), _cfg(cfg_json), run_id, checkpoint, worker)
+
+
+@task(
+    requests=GPU,
+    limits=GPU_LIMITS,
+    accelerator=H100,
+    retries=3,
+    timeout=timedelta(hours=12),
+)
+def trainer_service(cfg_json: str, checkpoint: str) -> str:
+    """Async mode on a cluster: the trainer role; returns the final checkpoint. A retry
+    resumes from the newest checkpoint with the exact `ready` position."""
+    from relax_core.services import run
+    from relax_core.train.checkpoint import list_checkpoints
+
+    start = run.newest_checkpoint(checkpoint)
+    _serve("trainer", cfg_json, start)
+    run_dir = os.path.dirname(os.path.abspath(start))
+    return list_checkpoints(run_dir)[-1]
+
+
+@task(
+    requests=GPU,
+    limits=GPU_LIMITS,
+    accelerator=H100,
+    retries=3,
+    interruptible=True,
+    timeout=timedelta(hours=12),
+)
+def rollout_service(cfg_json: str, checkpoint: str, worker: int) -> None:
+    """Async mode on a cluster: one rollout worker (engine + rewards); interruptible, since
+    admission tickets and queue commits make a restarted worker lose and repeat nothing."""
+    _serve("rollout", cfg_json, checkpoint, worker)
+
+
+@task(requests=GPU, limits=GPU_LIMITS, accelerator=H100, retries=3, timeout=timedelta(hours=12))
+def reference_service(cfg_json: str, checkpoint: str) -> None:
+    """Async mode on a cluster: frozen reference / teacher log-probs."""
+    _serve("reference", cfg_json, checkpoint)
+
+
+@task(requests=GPU, limits=GPU_LIMITS, accelerator=H100, retries=3, timeout=timedelta(hours=12))
+def actor_fwd_service(cfg_json: str, checkpoint: str) -> None:
+    """Async mode on a cluster: proximal log-probs under the newest trainer weights."""
+    _serve("actor_fwd", cfg_json, checkpoint)
+
+
+@task(requests=CPU, retries=3, timeout=timedelta(hours=12))
+def advantages_service(cfg_json: str, checkpoint: str) -> None:
+    """Async mode on a cluster: group-normalized advantages (CPU only)."""
+    _serve("advantages", cfg_json, checkpoint)
 
 
 @task(requests=GPU, limits=GPU_LIMITS, accelerator=H100, retries=1, timeout=timedelta(hours=1))

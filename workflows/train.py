@@ -1,27 +1,40 @@
 """`train`: one RL run as a Flyte workflow.
 
-    pyflyte run workflows/train.py train --cfg configs/cpu-default.yaml
+    pyflyte run workflows/train.py train --cfg configs/cpu-default.yaml   # colocate
+    pyflyte run workflows/train.py train --cfg configs/cpu-async.yaml     # async, local processes
 
-prepare_data (validate, fingerprint) -> policy_spec -> prepare_policy (cached warm start) ->
-start_run (eval at step 0, checkpoint v0) -> rl_loop (recursive @dynamic, `steps_per_node` steps
-per node, checkpoint between nodes) -> finish_run (final eval, summary).
-Colocate mode: every role of a step runs inside the rl_steps node (max_staleness 0).
+prepare_data (validate, fingerprint, how the steps run) -> policy_spec -> prepare_policy (cached
+warm start) -> start_run (eval at step 0, checkpoint v0) -> the steps -> finish_run (final eval,
+summary). How the steps run is a branch of the graph, chosen by the config:
+- colocate: rl_loop, a recursive @dynamic of rl_steps nodes (`steps_per_node` steps each, every
+  role inside the node, max_staleness 0);
+- async-processes (`mode: async`, `services.launch: processes`): one async_local node that starts
+  every role as an OS process and supervises it (local execution, or one big pod);
+- async-tasks (`services.launch: tasks`): async_roles, one task per role started side by side
+  (each with its own resources), connected by the queue and the weight-sync group; the trainer
+  task's output (the final checkpoint) is what finish_run waits for.
 """
 
 from __future__ import annotations
 
-from flytekit import dynamic, workflow
+from flytekit import conditional, dynamic, workflow
 
 from relax_core.config import RunConfig
 from relax_core.train.checkpoint import read_state
 from tasks.rl import (
     RunSummary,
+    actor_fwd_service,
+    advantages_service,
+    async_local,
     finish_run,
     policy_spec,
     prepare_data,
     prepare_policy,
+    reference_service,
     rl_steps,
+    rollout_service,
     start_run,
+    trainer_service,
 )
 
 
@@ -33,6 +46,26 @@ def rl_loop(cfg_json: str, checkpoint: str) -> str:
     return rl_loop(cfg_json=cfg_json, checkpoint=rl_steps(cfg_json=cfg_json, checkpoint=checkpoint))
 
 
+@dynamic
+def async_roles(cfg_json: str, checkpoint: str) -> str:
+    """Every role of an async run as its own task, with no edges between them, so a cluster runs
+    them in parallel. (Local execution would run them one after another and never finish: use
+    `services.launch: processes` there.)"""
+    from relax_core.services.role import stage_chain
+
+    cfg = RunConfig.from_json(cfg_json)
+    for worker in range(cfg.services.rollout_workers):
+        rollout_service(cfg_json=cfg_json, checkpoint=checkpoint, worker=worker)
+    services = {
+        "reference": reference_service,
+        "actor_fwd": actor_fwd_service,
+        "advantages": advantages_service,
+    }
+    for role, _, _ in stage_chain(cfg):
+        services[role](cfg_json=cfg_json, checkpoint=checkpoint)
+    return trainer_service(cfg_json=cfg_json, checkpoint=checkpoint)
+
+
 @workflow
 def train(cfg: RunConfig) -> RunSummary:
     prepared = prepare_data(cfg=cfg)
@@ -40,4 +73,13 @@ def train(cfg: RunConfig) -> RunSummary:
     spec = policy_spec(cfg_json=cfg_json, data_fingerprint=prepared.data_fingerprint)
     policy_dir = prepare_policy(spec_json=spec, cache_dir=cfg.checkpoint.policy_cache_dir)
     start = start_run(cfg_json=cfg_json, policy_dir=policy_dir)
-    return finish_run(cfg_json=cfg_json, checkpoint=rl_loop(cfg_json=cfg_json, checkpoint=start))
+    final = (
+        conditional("execution")
+        .if_(prepared.execution == "colocate")
+        .then(rl_loop(cfg_json=cfg_json, checkpoint=start))
+        .elif_(prepared.execution == "async-processes")
+        .then(async_local(cfg_json=cfg_json, checkpoint=start))
+        .else_()
+        .then(async_roles(cfg_json=cfg_json, checkpoint=start))
+    )
+    return finish_run(cfg_json=cfg_json, checkpoint=final)

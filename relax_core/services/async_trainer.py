@@ -361,6 +361,16 @@ class AsyncTrainer:
                     metrics.update(self.evaluate())
                 monitor.log_metrics(metrics, step=v)
                 bar.update(v, metrics)
+                if not cfg.tracking.progress and (v % 10 == 0 or v == total):
+                    log.info(
+                        "step %d/%d reward %.3f staleness %.2f step %.3fs (waited %.3fs)",
+                        v,
+                        total,
+                        metrics["train/reward_mean"],
+                        metrics["train/staleness_mean"],
+                        metrics["perf/step_s"],
+                        metrics["perf/trainer_wait_s"],
+                    )
                 if v % cfg.train.checkpoint_every == 0 or v == total:
                     monitor.flush()
                     latest = os.path.abspath(self.save_checkpoint())

@@ -96,6 +96,24 @@ def set_threads(n: int) -> None:
         torch.set_num_threads(n)
 
 
+def run_role(
+    role: str,
+    serve: Callable[[RoleContext], None],
+    cfg: RunConfig,
+    run_id: str,
+    checkpoint: str,
+    worker: int = 0,
+) -> None:
+    """Serve `role` in this process until the run stops (a Flyte task calls this directly)."""
+    queue = open_queue(cfg.queue, run_id)
+    ctx = RoleContext(role, worker, cfg, run_id, os.path.abspath(checkpoint), queue)
+    ctx.status["state"] = "starting"
+    ctx.start_heartbeats()
+    serve(ctx)
+    ctx.status["state"] = "stopped"
+    ctx.beat()
+
+
 def role_main(
     role: str, serve: Callable[[RoleContext], None], argv: list[str] | None = None
 ) -> int:
@@ -120,13 +138,7 @@ def role_main(
     if not os.path.isdir(args.checkpoint):
         print(f"error: --checkpoint {args.checkpoint} is not a directory", file=sys.stderr)
         return 2
-    queue = open_queue(cfg.queue, args.run)
-    ctx = RoleContext(role, args.worker, cfg, args.run, os.path.abspath(args.checkpoint), queue)
-    ctx.status["state"] = "starting"
-    ctx.start_heartbeats()
-    serve(ctx)
-    ctx.status["state"] = "stopped"
-    ctx.beat()
+    run_role(role, serve, cfg, args.run, args.checkpoint, args.worker)
     return 0
 
 
@@ -190,3 +202,21 @@ def serve_stage(
         worker.complete(lease, table, meta=entry.record.get("meta"))
         done += 1
         ctx.status["entries"] = done
+
+
+_SERVES = {
+    "rollout": "relax_core.services.rollout",
+    "reference": "relax_core.services.reference",
+    "actor_fwd": "relax_core.services.actor_fwd",
+    "advantages": "relax_core.services.advantages",
+    "trainer": "relax_core.services.async_trainer",
+}
+
+
+def serve_fn(role: str) -> Callable[[RoleContext], None]:
+    """The `serve` function of `role`'s module."""
+    import importlib
+
+    if role not in _SERVES:
+        raise ValueError(f"unknown role {role!r}; roles are {list(_SERVES)}")
+    return importlib.import_module(_SERVES[role]).serve

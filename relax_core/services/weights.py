@@ -44,6 +44,12 @@ def make_sender(cfg: RunConfig, queue: TransferQueue, specs: list[Any]):
         return ObjectStoreSender(queue.store, specs, bucket_bytes=s.bucket_mb << 20)
     from relax_core.sync.broadcast import BroadcastSender
 
+    host = s.sync_host
+    if s.launch == "tasks" and host in ("", "127.0.0.1", "localhost"):
+        # Role pods reach the trainer at its pod address, not at loopback.
+        import socket
+
+        host = socket.gethostbyname(socket.gethostname())
     return BroadcastSender(
         queue.store,
         GROUP,
@@ -51,7 +57,7 @@ def make_sender(cfg: RunConfig, queue: TransferQueue, specs: list[Any]):
         specs,
         bucket_bytes=s.bucket_mb << 20,
         backend=_backend(cfg),
-        host=s.sync_host,
+        host=host,
         timeout_s=s.start_timeout_s,
     )
 
