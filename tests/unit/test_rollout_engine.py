@@ -108,3 +108,48 @@ def test_sampled_logprob_is_of_the_tempered_distribution():
     tok, lp = sample_tokens(logits, temperature=2.0, top_p=1.0, greedy=True, generator=None)
     # softmax([1, 0]) = [e/(e+1), 1/(e+1)] -> log(e/(e+1)) = -0.31326
     assert tok.item() == 0 and lp.item() == pytest.approx(-0.313262, abs=1e-5)
+
+
+def test_partial_rollout_continues_under_new_weights_from_the_same_prefix(tok):
+    """A weight update between decode steps: the first token is scored by the old weights,
+    every later one by the new weights given the same prefix (the rebuilt cache is exact)."""
+    old = build_tiny_qwen3(SMALL, len(tok), seed=0)
+    new = build_tiny_qwen3(SMALL, len(tok), seed=5)
+    engine = TorchEngine(
+        build_tiny_qwen3(SMALL, len(tok), seed=0), tok.eos_token_id, tok.pad_token_id, seed=1
+    )
+    polls = []
+
+    def poll() -> bool:
+        polls.append(engine.version)
+        if len(polls) == 1:
+            engine.update_weights(list(new.named_parameters()), 1)
+            return True
+        return False
+
+    engine.weight_poll = poll
+    prompts = _ids(tok, ["1+2=", "12+34=", "99+9="])
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=5, temperature=0.8))
+    assert len(polls) >= 1 and engine.version == 1
+    for p, c in zip(prompts, outs, strict=True):
+        assert c.policy_version == 0
+        ids = torch.tensor([p + c.response_ids])
+        with torch.no_grad():
+            lp_old = torch.log_softmax(old(ids).logits[0] / 0.8, -1)
+            lp_new = torch.log_softmax(new(ids).logits[0] / 0.8, -1)
+        first = c.response_ids[0]
+        assert c.logprobs[0] == pytest.approx(lp_old[len(p) - 1, first].item(), abs=1e-4)
+        if len(c.response_ids) > 1:
+            assert c.policy_version_max == 1
+            later = [
+                lp_new[len(p) - 1 + j, t].item() for j, t in enumerate(c.response_ids) if j > 0
+            ]
+            assert c.logprobs[1:] == pytest.approx(later, abs=1e-4)
+        else:  # ended on its first token, before the update
+            assert c.policy_version_max is None
+
+
+def test_without_an_update_completions_name_one_version(engine, tok):
+    engine.weight_poll = lambda: False
+    outs = engine.generate(_ids(tok, ["1+2="]), SamplingParams(max_new_tokens=4))
+    assert outs[0].policy_version == 0 and outs[0].policy_version_max is None

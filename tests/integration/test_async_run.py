@@ -1,0 +1,165 @@
+"""Async mode end to end: every role a real OS process, the queue on disk, weights over gloo (or
+the object store), the trainer's MLflow run.
+
+- at max_staleness 0 async is strict on-policy: it trains exactly the weights colocate trains;
+- a trainer that is delayed (SIGSTOP, nothing killed) holds rollout at the staleness bound;
+- all five roles run together, with partial rollouts and object-store weight sync.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import mlflow
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from relax_core.queue import AdmissionLedger, TransferQueue
+from relax_core.train.checkpoint import find_resume_checkpoint, read_state
+
+pytestmark = pytest.mark.integration
+
+ASYNC = {"mode": "async", "services": {"trainer_threads": 1, "poll_s": 0.002}}
+
+
+def _run(cfg_path: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "relax_core.services.run", "--cfg", cfg_path],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 600) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out
+    return out
+
+
+def _final(workdir, name: str) -> str:
+    found = find_resume_checkpoint(str(workdir / ".relax" / "checkpoints"), name)
+    assert found is not None
+    return found
+
+
+def _metrics(workdir, run_id: str, key: str) -> list[float]:
+    mlflow.set_tracking_uri(f"sqlite:///{workdir}/mlflow.db")
+    client = mlflow.tracking.MlflowClient()
+    history = client.get_metric_history(run_id, key)
+    return [m.value for m in sorted(history, key=lambda m: m.step)]
+
+
+def test_async_at_staleness_zero_trains_exactly_what_colocate_trains(small_config, workdir):
+    train = {"total_steps": 6, "checkpoint_every": 3}
+    colocate = small_config("c.yaml", run_name="c", train=train)
+    _finish(_run(colocate))
+    on_policy = small_config("a.yaml", run_name="a", train=train, **ASYNC)
+    _finish(_run(on_policy))
+
+    c_ckpt, a_ckpt = _final(workdir, "c"), _final(workdir, "a")
+    assert read_state(a_ckpt)["policy_version"] == 6
+    c_weights = load_file(os.path.join(c_ckpt, "model.safetensors"))
+    a_weights = load_file(os.path.join(a_ckpt, "model.safetensors"))
+    assert c_weights.keys() == a_weights.keys()
+    for name in c_weights:
+        torch.testing.assert_close(a_weights[name], c_weights[name], rtol=0, atol=1e-6)
+
+    run_dir = os.path.dirname(a_ckpt)
+    roles = json.load(open(os.path.join(run_dir, "roles.json")))
+    assert sorted(r["role"] for r in roles) == ["advantages", "rollout", "trainer"]
+    assert all(r["exit_code"] == 0 and r["cpu_s"] > 0 for r in roles), roles
+    state = read_state(a_ckpt)
+    queue = TransferQueue(".relax/queue", state["run_id"])
+    assert queue.stopped()
+    assert {b["role"] for b in queue.heartbeats()} == {"trainer", "rollout", "advantages"}
+    assert state["ready_cursor"]["through"] == 5  # one ready entry per step, each trained once
+    assert _metrics(workdir, state["tracking_run_id"], "train/staleness_max") == [0.0] * 6
+
+
+def test_a_delayed_trainer_holds_rollout_at_the_staleness_bound(small_config, workdir):
+    k, g = 2, 4
+    cfg = small_config(
+        "d.yaml",
+        run_name="d",
+        rollout={"max_staleness": k, "groups_per_step": g},
+        train={"total_steps": 40, "checkpoint_every": 20},
+        algorithm={"is_mode": "tis"},
+        services={**ASYNC["services"], "rollout_batch_groups": 2},
+        mode="async",
+    )
+    proc = _run(cfg)
+    queue_root = workdir / ".relax" / "queue"
+    deadline = time.time() + 300
+    trainer_pid, queue = None, None
+    while time.time() < deadline and trainer_pid is None:
+        runs = os.listdir(queue_root) if queue_root.is_dir() else []
+        for run_id in runs:
+            queue = TransferQueue(str(queue_root), run_id)
+            for beat in queue.heartbeats():
+                if beat["role"] == "trainer" and beat["info"].get("policy_version", 0) >= 3:
+                    trainer_pid = beat["info"]["pid"]
+        time.sleep(0.05)
+    assert trainer_pid is not None, "the trainer never reached version 3"
+    os.kill(trainer_pid, signal.SIGSTOP)
+    try:
+        ledger = AdmissionLedger(queue)
+        time.sleep(2.0)
+        held = ledger.started()
+        time.sleep(2.0)
+        assert ledger.started() == held, "rollout kept admitting groups while the trainer slept"
+        newest = max(ledger.started_by_version())
+        assert held == (newest + k + 1) * g, "rollout stopped short of the bound"
+        rollout = [b for b in queue.heartbeats() if b["role"] == "rollout"][0]
+        assert rollout["info"]["state"].startswith("at the staleness bound"), rollout
+    finally:
+        os.kill(trainer_pid, signal.SIGCONT)
+    _finish(proc)
+
+    for name in queue.store.list_dir("tickets"):  # the bound held for every admission
+        body = json.loads(queue.store.read_bytes(f"tickets/{name}"))
+        assert int(name) + body["count"] <= (body["policy_version"] + k + 1) * g
+    state = read_state(_final(workdir, "d"))
+    staleness = _metrics(workdir, state["tracking_run_id"], "train/staleness_max")
+    assert len(staleness) == 40 and max(staleness) <= k
+    assert max(staleness) >= 1, "rollout never ran ahead of the trainer"
+
+
+def test_all_five_roles_with_partial_rollouts_over_object_store_sync(small_config, workdir):
+    cfg = small_config(
+        "f.yaml",
+        run_name="f",
+        rollout={"max_staleness": 1, "partial_rollout": True},
+        algorithm={"kl_coef": 0.05, "is_mode": "tis"},
+        train={"total_steps": 6, "checkpoint_every": 6},
+        services={**ASYNC["services"], "weight_sync": "object_store", "actor_fwd": True},
+        mode="async",
+    )
+    out = _finish(_run(cfg))
+    assert "eval accuracy" in out
+    ckpt = _final(workdir, "f")
+    state = read_state(ckpt)
+    roles = json.load(open(os.path.join(os.path.dirname(ckpt), "roles.json")))
+    assert sorted(r["role"] for r in roles) == [
+        "actor_fwd",
+        "advantages",
+        "reference",
+        "rollout",
+        "trainer",
+    ]
+    queue = TransferQueue(".relax/queue", state["run_id"])
+    rows = [queue.read("ready", seq) for seq in queue.committed("ready")]
+    for table in rows:
+        assert table.column("ref_logprobs").null_count == 0
+        assert table.column("old_logprobs").null_count == 0
+        lo = table.column("behaviour_version_min").to_pylist()
+        hi = table.column("behaviour_version_max").to_pylist()
+        assert all(a <= b for a, b in zip(lo, hi, strict=True))
+    assert queue.store.list_dir("weights"), "no weights were published to the object store"
