@@ -50,6 +50,11 @@ def _final(workdir, name: str) -> str:
     return found
 
 
+def _roles(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "roles.json")) as f:
+        return json.load(f)
+
+
 def _metrics(workdir, run_id: str, key: str) -> list[float]:
     mlflow.set_tracking_uri(f"sqlite:///{workdir}/mlflow.db")
     client = mlflow.tracking.MlflowClient()
@@ -73,7 +78,7 @@ def test_async_at_staleness_zero_trains_exactly_what_colocate_trains(small_confi
         torch.testing.assert_close(a_weights[name], c_weights[name], rtol=0, atol=1e-6)
 
     run_dir = os.path.dirname(a_ckpt)
-    roles = json.load(open(os.path.join(run_dir, "roles.json")))
+    roles = _roles(run_dir)
     assert sorted(r["role"] for r in roles) == ["advantages", "rollout", "trainer"]
     assert all(r["exit_code"] == 0 and r["cpu_s"] > 0 for r in roles), roles
     state = read_state(a_ckpt)
@@ -146,7 +151,7 @@ def test_all_five_roles_with_partial_rollouts_over_object_store_sync(small_confi
     assert "eval accuracy" in out
     ckpt = _final(workdir, "f")
     state = read_state(ckpt)
-    roles = json.load(open(os.path.join(os.path.dirname(ckpt), "roles.json")))
+    roles = _roles(os.path.dirname(ckpt))
     assert sorted(r["role"] for r in roles) == [
         "actor_fwd",
         "advantages",
