@@ -14,7 +14,20 @@ from flytekit.models.task import Resources as TaskResources
 from flytekit.tools.translator import get_serializable
 
 from tasks.evaluate import evaluate_checkpoint
-from tasks.rl import finish_run, policy_spec, prepare_data, prepare_policy, rl_steps, start_run
+from tasks.rl import (
+    actor_fwd_service,
+    advantages_service,
+    async_local,
+    finish_run,
+    policy_spec,
+    prepare_data,
+    prepare_policy,
+    reference_service,
+    rl_steps,
+    rollout_service,
+    start_run,
+    trainer_service,
+)
 from workflows.evaluate import evaluate
 from workflows.launch_plans import NIGHTLY_CRON, nightly_grpo
 from workflows.train import train
@@ -40,12 +53,14 @@ def _requests(template) -> dict[str, str]:
 
 
 def test_model_holding_tasks_get_a_gpu_and_light_tasks_do_not(settings):
-    for task in (prepare_policy, start_run, rl_steps, finish_run):
+    model_tasks = (prepare_policy, start_run, rl_steps, finish_run, async_local, trainer_service)
+    model_tasks += (rollout_service, reference_service, actor_fwd_service)
+    for task in model_tasks:
         t = _template(settings, task)
         assert _requests(t).get("GPU") == "1", (task.name, _requests(t))
         assert t.extended_resources.gpu_accelerator.device == "nvidia-h100", task.name
         assert t.container.image == IMAGE
-    for task in (prepare_data, policy_spec):
+    for task in (prepare_data, policy_spec, advantages_service):
         assert "GPU" not in _requests(_template(settings, task)), task.name
 
 
@@ -60,13 +75,33 @@ def test_training_node_is_retried_interruptible_and_bounded(settings):
     assert _template(settings, evaluate_checkpoint).metadata.retries.retries == 1
 
 
+def test_async_role_tasks_are_retried_and_only_rollout_is_interruptible(settings):
+    for task in (trainer_service, rollout_service, reference_service, advantages_service):
+        t = _template(settings, task)
+        assert t.metadata.retries.retries == 3, task.name
+        assert t.metadata.timeout == timedelta(hours=12), task.name
+    assert _template(settings, rollout_service).metadata.interruptible is True
+    # The trainer holds the optimizer state between checkpoints: not on spot capacity.
+    assert not _template(settings, trainer_service).metadata.interruptible
+
+
 def test_workflows_serialize_with_all_their_nodes(settings):
     wf = get_serializable(OrderedDict(), settings, train)
     ids = {n.id: n for n in wf.template.nodes}
     names = sorted(n.metadata.name for n in ids.values())
     assert names == sorted(
-        ["prepare_data", "policy_spec", "prepare_policy", "start_run", "rl_loop", "finish_run"]
+        ["prepare_data", "policy_spec", "prepare_policy", "start_run", "execution", "finish_run"]
     )
+    # How the steps run is an explicit branch on prepare_data's `execution` output.
+    branch = next(n for n in ids.values() if n.metadata.name == "execution").branch_node.if_else
+    cases = [branch.case, *branch.other]
+    chosen = {c.condition.comparison.right_value.primitive.string_value: c.then_node for c in cases}
+    assert {k: n.metadata.name for k, n in chosen.items()} == {
+        "colocate": "rl_loop",
+        "async-processes": "async_local",
+    }
+    assert all(c.condition.comparison.left_value.var.endswith(".execution") for c in cases)
+    assert branch.else_node.metadata.name == "async_roles"
     ev = get_serializable(OrderedDict(), settings, evaluate)
     assert [p for p in ev.template.interface.inputs] == ["cfg", "checkpoint", "k", "samples"]
 

@@ -1,0 +1,98 @@
+"""Async-mode wiring that needs no process: which roles a config runs, their stages, the
+ranks of the weight-sync group, config checks, and the local core share."""
+
+from __future__ import annotations
+
+import pytest
+
+from relax_core.config import ConfigError, RunConfig, load_config, replace
+from relax_core.services.cores import CoreShare
+from relax_core.services.role import load_run_config, serve_fn, stage_chain
+from relax_core.services.supervisor import roles_of
+from relax_core.services.weights import rank_of, world_size
+
+
+def _async(**sections) -> RunConfig:
+    return replace(RunConfig(), mode="async", **sections)
+
+
+def test_the_default_async_run_is_rollout_advantages_trainer():
+    cfg = _async()
+    assert stage_chain(cfg) == [("advantages", "rollout", "ready")]
+    assert roles_of(cfg) == [("trainer", 0), ("rollout", 0), ("advantages", 0)]
+    assert world_size(cfg) == 2 and rank_of(cfg, "rollout", 0) == 1
+
+
+def test_kl_teacher_and_actor_fwd_add_their_stages_in_order():
+    cfg = _async(
+        algorithm={"kl_coef": 0.1},
+        services={"actor_fwd": True, "rollout_workers": 3},
+    )
+    assert stage_chain(cfg) == [
+        ("reference", "rollout", "ref"),
+        ("actor_fwd", "ref", "fwd"),
+        ("advantages", "fwd", "ready"),
+    ]
+    assert [r for r, _ in roles_of(cfg)].count("rollout") == 3
+    # trainer 0, rollout workers 1..3, actor_fwd last
+    assert [rank_of(cfg, "rollout", i) for i in range(3)] == [1, 2, 3]
+    assert rank_of(cfg, "actor_fwd", 0) == 4 == world_size(cfg) - 1
+    with pytest.raises(ValueError, match="receives no weights"):
+        rank_of(cfg, "advantages", 0)
+
+
+def test_every_role_has_a_serve_function():
+    for role in ("rollout", "reference", "actor_fwd", "advantages", "trainer"):
+        assert callable(serve_fn(role))
+    with pytest.raises(ValueError, match="unknown role"):
+        serve_fn("critic")
+
+
+def test_async_config_checks_name_the_field():
+    with pytest.raises(ConfigError, match="services.launch"):
+        _async(services={"launch": "ray"})
+    with pytest.raises(ConfigError, match="services.weight_sync"):
+        _async(services={"weight_sync": "carrier-pigeon"})
+    with pytest.raises(ConfigError, match="rollout.dynamic_sampling: not supported in async"):
+        _async(rollout={"dynamic_sampling": True})
+    with pytest.raises(ConfigError, match="services.rollout_workers"):
+        _async(services={"rollout_workers": 0})
+
+
+def test_cpu_async_config_is_cpu_default_in_async_mode():
+    fast, slow = load_config("configs/cpu-async.yaml"), load_config("configs/cpu-default.yaml")
+    assert fast.mode == "async" and fast.rollout.max_staleness == 1
+    assert fast.model == slow.model and fast.data == slow.data
+    assert fast.warm_start == slow.warm_start and fast.train.total_steps == slow.train.total_steps
+
+
+def test_role_config_loads_from_yaml_json_file_or_json_text(tmp_path):
+    import json
+
+    from relax_core.config import config_to_dict
+
+    cfg = load_config("configs/cpu-async.yaml")
+    text = json.dumps(config_to_dict(cfg))
+    (tmp_path / "c.json").write_text(text)
+    assert load_run_config(text) == cfg
+    assert load_run_config(str(tmp_path / "c.json")) == cfg
+    assert load_run_config("configs/cpu-async.yaml") == cfg
+
+
+def test_core_share_lends_idle_cores_to_the_elastic_role(tmp_path):
+    trainer = CoreShare(str(tmp_path), 2, "trainer-0")
+    rollout = CoreShare(str(tmp_path), 2, "rollout-0")
+    assert trainer.free() == 2
+    with rollout.busy(1):
+        assert trainer.free() == 1
+        with CoreShare(str(tmp_path), 2, "rollout-1").busy(1):
+            assert trainer.free() == 1  # never below one: the trainer itself still runs
+    assert trainer.free() == 2
+
+
+def test_core_share_env_is_checked(monkeypatch):
+    monkeypatch.setenv("RELAX_CORE_SHARE", "no-cores-given")
+    with pytest.raises(ValueError, match="RELAX_CORE_SHARE"):
+        CoreShare.from_env("trainer-0")
+    monkeypatch.delenv("RELAX_CORE_SHARE")
+    assert CoreShare.from_env("trainer-0") is None
