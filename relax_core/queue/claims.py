@@ -84,6 +84,10 @@ class StageWorker:
         self._done: set[int] = set()
         self._expiry: dict[tuple[int, int], float] = {}
 
+    def known_inputs(self) -> list[int]:
+        """Input seqs seen by the last listing (no storage call)."""
+        return list(self._inputs)
+
     def pending(self) -> list[int]:
         """Committed input seqs whose output is not committed yet, oldest first (two listings)."""
         self._done.update(self.queue.committed(self.out_stage))

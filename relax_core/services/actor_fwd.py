@@ -36,7 +36,7 @@ def serve(ctx) -> None:
     def refresh() -> None:
         update = receiver.take()
         if update is not None:
-            apply_update(holder, update)
+            apply_update(holder, update, receiver.release)
             ctx.status["policy_version"] = holder.version
 
     def transform(table: pa.Table) -> pa.Table:

@@ -196,15 +196,22 @@ class AsyncTrainer:
         if os.path.isfile(os.path.join(ctx.checkpoint, "optimizer.pt")):
             self.backend.load(ctx.checkpoint)
         self.cores = CoreShare.from_env(ctx.name) if s.trainer_threads == 0 else None
+        self.threads_used: list[int] = []
         if self.cores is not None:
-            cores = self.cores
-            self.backend.before_micro_batch = lambda: torch.set_num_threads(cores.free())
+            self.backend.before_micro_batch = self._take_free_cores
         self.pool = ReadyPool(ctx, self.state.ready_cursor)
         self.sender = make_sender(cfg, ctx.queue, specs_of(self.model.named_parameters()))
         self.run_dir = os.path.join(cfg.checkpoint.dir, self.state.run_id)
         self._eval = None
 
     # ---- pieces ------------------------------------------------------------------------
+    def _take_free_cores(self) -> None:
+        assert self.cores is not None
+        threads = self.cores.free()
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        self.threads_used.append(threads)
+
     def save_checkpoint(self) -> str:
         self.state.ready_cursor = self.pool.state()
         self.state.rng = {}
@@ -302,6 +309,9 @@ class AsyncTrainer:
             max_new_tokens=r.max_new_tokens,
         )
         t2 = time.perf_counter()
+        if self.threads_used:
+            metrics["perf/trainer_threads"] = sum(self.threads_used) / len(self.threads_used)
+            self.threads_used.clear()
         state.policy_version = v + 1
         self.sender.push(self.backend.named_weights(), v + 1)
         self.ctx.status["policy_version"] = v + 1

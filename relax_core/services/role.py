@@ -181,17 +181,26 @@ def serve_stage(
     import contextlib
 
     from relax_core.queue import StageWorker
+    from relax_core.queue.queue import log_path
     from relax_core.services.cores import CoreShare
 
     source, target = stage_of(ctx.cfg, ctx.role)
     worker = StageWorker(ctx.queue, source, target, ctx.name, ctx.cfg.queue.lease_ttl_s)
     cores = CoreShare.from_env(ctx.name) if busy_threads else None
     ctx.status["state"] = f"serving {source} -> {target}"
-    done = 0
+    done, next_input, scanned = 0, 0, 0.0
     while not ctx.stopped():
         if before_entry is not None:
             before_entry()
+        # Idle polls cost one existence check of the next input seq; the full scan (listings,
+        # expired leases of other workers) runs when it appears, or once a second.
+        now = time.monotonic()
+        if now - scanned < 1.0 and not ctx.queue.store.exists(log_path(source, next_input)):
+            ctx.sleep()
+            continue
+        scanned = now
         claimed = next(iter(worker.claim()), None)
+        next_input = max(worker.known_inputs(), default=-1) + 1
         if claimed is None:
             ctx.sleep()
             continue

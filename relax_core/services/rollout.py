@@ -156,7 +156,7 @@ def serve(ctx) -> None:
         update = receiver.take()
         if update is None:
             return False
-        apply_update(engine, update)
+        apply_update(engine, update, receiver.release)
         ctx.status["policy_version"] = engine.version
         return True
 
