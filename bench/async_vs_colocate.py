@@ -1,0 +1,232 @@
+"""Async vs colocate on this machine: wall time of the same RL run, and the machine bound.
+
+For each round, in one process on the same cores: colocate (`configs/cpu-default.yaml`, every
+role in one process, torch's default threads) and async (`configs/cpu-async.yaml`, every role
+its own process). Both start from the same cached warm-started policy; the untimed parts (start:
+eval at step 0 and checkpoint v0; finish: the final held-out eval) run in this process. The
+timed part is the training itself, measured around one child process (colocate) or the
+supervisor and its role processes (async), imports and model loading included for both.
+
+Machine bound: the CPU-seconds the OS accounted to every async role process (wait4: user +
+system) divided by the cores. Async can be no faster than that: it is what the work would take
+with every core busy all the time.
+
+    python bench/async_vs_colocate.py [--rounds 1] [--steps 200]
+
+Last lines: `headline: async_speedup = X` (colocate wall / async wall, median over rounds) and
+`headline: machine_bound_ratio = Y` (async wall / machine bound).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if sys.path and os.path.abspath(sys.path[0]) == os.path.join(REPO, "bench"):
+    sys.path[0] = REPO
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import tempfile
+import time
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def _config(path: str, work: str, steps: int, **over):
+    from relax_core.config import load_config, replace
+
+    cfg = load_config(path)
+    return replace(
+        cfg,
+        train={"total_steps": steps, **over.pop("train", {})},
+        queue={"root": os.path.join(work, "queue")},
+        checkpoint={
+            "dir": os.path.join(work, "checkpoints"),
+            "policy_cache_dir": os.path.join(REPO, ".relax", "policies"),
+        },
+        tracking={
+            "tracking_uri": f"sqlite:///{work}/mlflow.db",
+            "progress": False,
+            "experiment": "bench-async",
+        },
+        data={
+            "train_path": os.path.join(REPO, cfg.data.train_path),
+            "eval_path": os.path.join(REPO, cfg.data.eval_path),
+        },
+        **over,
+    )
+
+
+def _start(cfg) -> str:
+    from relax_core.data.dataset import fingerprint
+    from relax_core.models.policy import PolicySpec, prepare_policy
+    from relax_core.services.run import start_run
+
+    spec = PolicySpec.of(cfg, fingerprint(cfg.data.train_path))
+    return start_run(cfg, prepare_policy(spec, cfg.checkpoint.policy_cache_dir))
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_colocate(cfg, work: str) -> dict:
+    from relax_core.config import config_to_dict
+
+    checkpoint = _start(cfg)
+    cfg_path = os.path.join(work, "colocate.json")
+    with open(cfg_path, "w") as f:
+        json.dump(config_to_dict(cfg), f)
+    code = (
+        "import sys; from relax_core.services.role import load_run_config; "
+        "from relax_core.services.run import run_steps; "
+        "cfg = load_run_config(sys.argv[1]); "
+        "print(run_steps(cfg, sys.argv[2], cfg.train.total_steps))"
+    )
+    cpu0, t0 = _children_cpu(), time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-c", code, cfg_path, checkpoint], capture_output=True, text=True
+    )
+    wall, cpu = time.perf_counter() - t0, _children_cpu() - cpu0
+    if out.returncode:
+        raise SystemExit(f"colocate run failed:\n{out.stderr[-4000:]}")
+    return _finish(cfg, out.stdout.strip().splitlines()[-1], wall, cpu, None)
+
+
+def run_async(cfg, work: str) -> dict:
+    from relax_core.services.supervisor import run_async_local
+
+    checkpoint = _start(cfg)
+    t0 = time.perf_counter()
+    final = run_async_local(cfg, checkpoint)
+    wall = time.perf_counter() - t0
+    with open(os.path.join(os.path.dirname(final), "roles.json")) as f:
+        roles = json.load(f)
+    return _finish(cfg, final, wall, sum(r["cpu_s"] for r in roles), roles)
+
+
+def _finish(cfg, checkpoint: str, wall: float, cpu: float, roles) -> dict:
+    import mlflow
+
+    from relax_core.services.run import finish_run
+    from relax_core.train.checkpoint import read_state
+
+    summary = finish_run(cfg, checkpoint)
+    client = mlflow.tracking.MlflowClient(cfg.tracking.tracking_uri)
+    run_id = read_state(checkpoint)["tracking_run_id"]
+
+    def history(key: str) -> list[float]:
+        return [
+            m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
+        ]
+
+    keys = (
+        "perf/step_s", "perf/train_s", "perf/sync_s", "perf/trainer_wait_s", "perf/rollout_s",
+        "perf/generate_s", "perf/reward_s", "perf/rollout_wait_s", "perf/queue_s",
+    )  # fmt: skip
+    steps = {k: history(k) for k in keys}
+    evals = [
+        (m.step, m.value, m.timestamp)
+        for m in sorted(client.get_metric_history(run_id, "eval/accuracy"), key=lambda m: m.step)
+    ]
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "accuracy": summary["eval_accuracy_after"],
+        "evals": [(s, v) for s, v, _ in evals],
+        "per_step": {k: statistics.median(v[5:]) for k, v in steps.items() if len(v) > 5},
+        "roles": roles,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--keep", help="keep run directories under this path (default: temp)")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--colocate", default=os.path.join(REPO, "configs", "cpu-default.yaml"))
+    parser.add_argument("--async-cfg", default=os.path.join(REPO, "configs", "cpu-async.yaml"))
+    parser.add_argument(
+        "--variants",
+        default="elastic",
+        help="comma-separated async variants: elastic (cpu-async.yaml), one-thread (trainer 1 "
+        "thread), s2, s4 (max_staleness 2 / 4)",
+    )
+    args = parser.parse_args()
+    cores = _cores()
+    variants = {
+        "elastic": {},
+        "one-thread": {"services": {"trainer_threads": 1}},
+        "s2": {"rollout": {"max_staleness": 2}},
+        "s4": {"rollout": {"max_staleness": 4}},
+    }
+    chosen = args.variants.split(",")
+    results: dict[str, list[dict]] = {"colocate": [], **{v: [] for v in chosen}}
+    for r in range(args.rounds):
+        with tempfile.TemporaryDirectory(prefix="bench-async-", dir=args.keep) as work:
+            cfg = _config(args.colocate, work, args.steps)
+            results["colocate"].append(run_colocate(cfg, work))
+            _report("colocate", r, results["colocate"][-1], cores)
+            for name in chosen:
+                cfg = _config(args.async_cfg, work, args.steps, **variants[name])
+                results[name].append(run_async(cfg, work))
+                _report(name, r, results[name][-1], cores)
+    colocate = statistics.median(x["wall_s"] for x in results["colocate"])
+    best = chosen[0]
+    wall = statistics.median(x["wall_s"] for x in results[best])
+    bound = statistics.median(x["cpu_s"] / cores for x in results[best])
+    print(f"\ncores: {cores}; steps: {args.steps}; rounds: {args.rounds}")
+    for name, runs in results.items():
+        print(
+            f"{name:>10}: wall {statistics.median(x['wall_s'] for x in runs):7.1f} s, "
+            f"cpu {statistics.median(x['cpu_s'] for x in runs):7.1f} s, final accuracy "
+            f"{', '.join(format(x['accuracy'], '.3f') for x in runs)}"
+        )
+    _projection(results[best][-1], results["colocate"][-1])
+    print(f"headline: async_speedup = {colocate / wall:.2f}")
+    print(f"headline: machine_bound_ratio = {wall / bound:.2f}")
+
+
+def _report(name: str, round_: int, res: dict, cores: int) -> None:
+    per = ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in res["per_step"].items())
+    print(
+        f"[{name} round {round_}] wall {res['wall_s']:.1f} s, cpu {res['cpu_s']:.1f} s "
+        f"(bound {res['cpu_s'] / cores:.1f} s), accuracy {res['accuracy']:.3f}; per step "
+        f"(median): {per}",
+        flush=True,
+    )
+    print(f"    eval curve: {res['evals']}", flush=True)
+    for role in res["roles"] or []:
+        print(
+            f"    {role['role']}-{role['worker']}: cpu {role['cpu_s']:.1f} s over "
+            f"{role['wall_s']:.1f} s wall ({role['cpu_s'] / role['wall_s']:.0%} of one core)"
+        )
+
+
+def _projection(async_run: dict, colocate_run: dict) -> None:
+    """Step time with one device per role, from the busy time each role measured here (one
+    thread each): the slowest role sets the pace."""
+    p = async_run["per_step"]
+    trainer = p.get("perf/train_s", 0.0) + p.get("perf/sync_s", 0.0)
+    rollout = p.get("perf/generate_s", 0.0) + p.get("perf/reward_s", 0.0)
+    c = colocate_run["per_step"]
+    print(
+        f"projection, one device per role: trainer busy {trainer:.3f} s/step, rollout busy "
+        f"{rollout:.3f} s/step -> async {max(trainer, rollout):.3f} s/step vs the same roles "
+        f"in sequence {trainer + rollout:.3f} s/step ({(trainer + rollout) / max(trainer, rollout):.2f}x); "
+        f"colocate here: {c.get('perf/step_s', 0.0):.3f} s/step"
+    )
+
+
+if __name__ == "__main__":
+    main()
