@@ -212,16 +212,6 @@ class AsyncTrainer:
             torch.set_num_threads(threads)
         self.threads_used.append(threads)
 
-
-            t0 = time.perf_counter()
-            a = torch.randn(1500, 1500)
-            c0 = time.process_time()
-            for _ in range(5):
-                a @ a
-            print("DEBUG threads", threads, torch.get_num_threads(), time.perf_counter() - t0,
-                  time.process_time() - c0, torch.__config__.parallel_info().splitlines()[:4],
-                  file=sys.stderr, flush=True)
-
     def save_checkpoint(self) -> str:
         self.state.ready_cursor = self.pool.state()
         self.state.rng = {}
