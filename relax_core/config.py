@@ -156,6 +156,11 @@ class AlgorithmConfig:
     """TIS truncation / MIS acceptance bound (weights outside [1/cap, cap] are masked) (> 1)."""
     behaviour_cap: float = 2.0
     """decoupled_ppo: truncation of the behaviour weight pi_proximal / pi_behaviour (> 1)."""
+    proximal: str = "interpolate"
+    """Old log-probs of the PPO ratio when the actor_fwd role does not run: 'interpolate' (by
+    policy version between the rollout's and the current log-probs; the current ones for rows
+    trained at their first update) or 'behaviour' (the rollout engine's: the clip then bounds
+    every update to the policy that generated the rows, the usual choice for stale rows)."""
     distill_coef: float = 0.0
     """On-policy distillation weight lambda: advantages get -lambda*(logp_student - logp_teacher)."""
     teacher: str = ""

@@ -54,6 +54,12 @@ def _check_algorithm(e: list[str], cfg: RunConfig) -> None:
     """Knob ranges of the loss suite and the combinations that make no sense."""
     a, r, w = cfg.algorithm, cfg.rollout, cfg.reward
     _choice(e, "algorithm.is_mode", a.is_mode, IS_MODES)
+    _choice(e, "algorithm.proximal", a.proximal, ("interpolate", "behaviour"))
+    if a.proximal == "behaviour" and a.is_mode != "none":
+        e.append(
+            "algorithm.is_mode: with proximal 'behaviour' the old log-probs are the rollout's, so "
+            "the correction weight is always 1; use is_mode: none, or proximal: interpolate"
+        )
     _choice(e, "algorithm.is_level", a.is_level, IS_LEVELS)
     if a.dual_clip and a.dual_clip <= 1:
         e.append(f"algorithm.dual_clip: must be 0 (off) or > 1, got {a.dual_clip}")

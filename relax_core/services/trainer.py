@@ -48,6 +48,8 @@ def _loss_fn(
         rollout = mb.extras["rollout_logprobs"]
         if "old_logprobs" in mb.extras:
             old = mb.extras["old_logprobs"]
+        elif algo.proximal == "behaviour":
+            old = rollout
         else:
             old = interpolate_proximal(rollout, logprobs, mb.extras["proximal_alpha"])
         inputs = LossInputs(
@@ -115,7 +117,7 @@ def train_on_table(
     parts = _split_groups(table, minibatches)
     for k, part in enumerate(parts):
         computed = {}
-        if not recomputed:
+        if not recomputed and algo.proximal == "interpolate":
             computed["proximal_alpha"] = _alpha_per_token(part, train_version, k / len(parts))
         mbs = [
             mb

@@ -68,7 +68,7 @@ def make_receiver(cfg: RunConfig, queue: TransferQueue, specs: list[Any], role: 
         from relax_core.sync.object_store import ObjectStoreReceiver
 
         return ObjectStoreReceiver(queue.store, specs, poll_s=max(s.poll_s, 0.05))
-    from relax_core.sync.broadcast import BroadcastReceiver
+    from relax_core.sync.broadcast_receiver import BroadcastReceiver
 
     return BroadcastReceiver(
         queue.store,

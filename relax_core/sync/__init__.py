@@ -7,7 +7,8 @@ stage complete updates; the engine loop applies one between generate calls with 
 """
 
 from relax_core.sync.apply import StagingPool, Update, UpdateSlot, UpdateTensors, apply_update
-from relax_core.sync.broadcast import BroadcastReceiver, BroadcastSender, rendezvous_path
+from relax_core.sync.broadcast import BroadcastSender, rendezvous_path
+from relax_core.sync.broadcast_receiver import BroadcastReceiver
 from relax_core.sync.buckets import (
     Bucket,
     LayoutMismatch,
