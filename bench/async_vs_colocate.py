@@ -160,7 +160,7 @@ def main() -> None:
         "--variants",
         default="elastic",
         help="comma-separated async variants: elastic (cpu-async.yaml), one-thread (trainer 1 "
-        "thread), s2, s4 (max_staleness 2 / 4)",
+        "thread), s2, s4 (max_staleness 2 / 4), mb2048, mb16k (trainer micro-batch tokens)",
     )
     args = parser.parse_args()
     cores = _cores()
@@ -169,6 +169,8 @@ def main() -> None:
         "one-thread": {"services": {"trainer_threads": 1}},
         "s2": {"rollout": {"max_staleness": 2}},
         "s4": {"rollout": {"max_staleness": 4}},
+        "mb2048": {"train": {"micro_batch_tokens": 2048}},
+        "mb16k": {"train": {"micro_batch_tokens": 16384}},
     }
     chosen = args.variants.split(",")
     results: dict[str, list[dict]] = {"colocate": [], **{v: [] for v in chosen}}
