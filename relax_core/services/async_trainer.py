@@ -356,10 +356,10 @@ class AsyncTrainer:
 
         cfg, state, ctx = self.cfg, self.state, self.ctx
         total = cfg.train.total_steps
-        monitor = monitor_for(cfg, state)
-        monitor.start(dataclasses.asdict(cfg), run_tags(state, "async"))
         ctx.status["state"] = "waiting for the engines to join weight sync"
         self.sender.init()
+        monitor = monitor_for(cfg, state)
+        monitor.start(dataclasses.asdict(cfg), run_tags(state, "async"))
         bar = ProgressBar(total, state.policy_version, enabled=cfg.tracking.progress)
         latest = self.ctx.checkpoint
         try:
@@ -409,3 +409,4 @@ def serve(ctx: RoleContext) -> None:
         trainer.close()
     finally:
         ctx.queue.stop()
+    log.info("run finished at version %d; weight sync closed", trainer.state.policy_version)

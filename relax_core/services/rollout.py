@@ -119,6 +119,7 @@ def serve(ctx) -> None:
     """
     import contextlib
     import os
+    import threading
 
     from relax_core.data.dataset import load_prompts
     from relax_core.models.policy import load_policy
@@ -148,11 +149,26 @@ def serve(ctx) -> None:
     receiver = make_receiver(
         cfg, ctx.queue, specs_of(model.named_parameters()), "rollout", ctx.worker
     )
-    ctx.status["state"] = "joining weight sync"
-    receiver.init()
-    receiver.start()
+    # Joining waits for the trainer (still importing, opening its MLflow run); generation under
+    # the checkpoint's weights need not wait for it.
+    joined: list[BaseException | None] = []
+
+    def join() -> None:
+        try:
+            receiver.init()
+            receiver.start()
+            joined.append(None)
+        except BaseException as exc:  # re-raised by the generation loop
+            joined.append(exc)
+
+    joiner = threading.Thread(target=join, name="weight-sync-join", daemon=True)
+    joiner.start()
 
     def apply_pending() -> bool:
+        if not joined:
+            return False
+        if joined[0] is not None:
+            raise RuntimeError("rollout could not join weight sync") from joined[0]
         update = receiver.take()
         if update is None:
             return False
@@ -187,7 +203,10 @@ def serve(ctx) -> None:
                 if wait_start is None:
                     wait_start = time.perf_counter()
                     ctx.status["state"] = f"at the staleness bound ({first} groups started)"
-                receiver.wait(timeout=0.05)
+                if joined:
+                    receiver.wait(timeout=0.05)
+                else:
+                    joiner.join(timeout=0.05)
                 continue
             if wait_start is not None:
                 waited += time.perf_counter() - wait_start
@@ -218,7 +237,9 @@ def serve(ctx) -> None:
                 },
             )
     finally:
-        receiver.destroy()
+        joiner.join(timeout=s.start_timeout_s)
+        if joined and joined[0] is None:
+            receiver.destroy()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,3 +90,27 @@ def test_unknown_field_is_refused_by_pyflyte_itself(small_config, workdir):
     assert out.returncode != 0
     assert "train.total_stepz: unknown field" in out.stdout + out.stderr
     assert not (workdir / ".relax").exists()
+
+
+def test_pyflyte_run_async_mode_runs_the_roles_as_supervised_processes(small_config, workdir):
+    cfg = small_config(
+        "async.yaml",
+        mode="async",
+        rollout={"max_staleness": 1},
+        algorithm={"proximal": "behaviour"},
+        train={"total_steps": 4, "checkpoint_every": 2},
+    )
+    out = _pyflyte(cfg, workdir)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Run summary" in out.stderr
+    ckpt = find_resume_checkpoint(str(workdir / ".relax" / "checkpoints"), "t")
+    state = read_state(ckpt)
+    assert state["policy_version"] == 4
+    logs = sorted(os.listdir(os.path.join(os.path.dirname(ckpt), "logs")))
+    assert logs == ["advantages-0.log", "rollout-0.log", "trainer-0.log"]
+    client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    run = client.get_run(state["tracking_run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["relax.mode"] == "async"
+    staleness = client.get_metric_history(run.info.run_id, "train/staleness_max")
+    assert [m.step for m in sorted(staleness, key=lambda m: m.step)] == [1, 2, 3, 4]
+    assert max(m.value for m in staleness) <= 1
