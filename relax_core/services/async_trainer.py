@@ -213,20 +213,11 @@ class AsyncTrainer:
         self.threads_used.append(threads)
 
     def save_checkpoint(self) -> str:
+        from relax_core.services.session import save_run_checkpoint
+
         self.state.ready_cursor = self.pool.state()
         self.state.rng = {}
-
-        def write_model(directory: str) -> None:
-            self.backend.save(directory)
-            self.tokenizer.save_pretrained(directory)
-
-        return ckpt.save_checkpoint(
-            self.run_dir,
-            self.state.policy_version,
-            write_model,
-            {**dataclasses.asdict(self.state), "config": dataclasses.asdict(self.cfg)},
-            self.cfg.train.keep_checkpoints,
-        )
+        return save_run_checkpoint(self.run_dir, self.state, self.cfg, self.backend, self.tokenizer)
 
     def evaluate(self) -> dict[str, float]:
         """Held-out greedy eval with the trainer's own weights (no copy, no sync)."""
@@ -351,43 +342,19 @@ class AsyncTrainer:
 
     # ---- the loop ----------------------------------------------------------------------
     def run(self) -> str:
-        from relax_core.services.run import monitor_for, run_tags
-        from relax_core.tracking import ProgressBar
+        from relax_core.services.loop import train_until
 
-        cfg, state, ctx = self.cfg, self.state, self.ctx
-        total = cfg.train.total_steps
-        ctx.status["state"] = "waiting for the engines to join weight sync"
+        self.ctx.status["state"] = "waiting for the engines to join weight sync"
         self.sender.init()
-        monitor = monitor_for(cfg, state)
-        monitor.start(dataclasses.asdict(cfg), run_tags(state, "async"))
-        bar = ProgressBar(total, state.policy_version, enabled=cfg.tracking.progress)
-        latest = self.ctx.checkpoint
-        try:
-            while state.policy_version < total:
-                metrics = self.step()
-                v = state.policy_version
-                every = cfg.train.eval_every
-                if every and v % every == 0 and v < total:
-                    metrics.update(self.evaluate())
-                monitor.log_metrics(metrics, step=v)
-                bar.update(v, metrics)
-                if not cfg.tracking.progress and (v % 10 == 0 or v == total):
-                    log.info(
-                        "step %d/%d reward %.3f staleness %.2f step %.3fs (waited %.3fs)",
-                        v,
-                        total,
-                        metrics["train/reward_mean"],
-                        metrics["train/staleness_mean"],
-                        metrics["perf/step_s"],
-                        metrics["perf/trainer_wait_s"],
-                    )
-                if v % cfg.train.checkpoint_every == 0 or v == total:
-                    monitor.flush()
-                    latest = os.path.abspath(self.save_checkpoint())
-        finally:
-            bar.close()
-            monitor.flush()
-        return latest
+        return train_until(
+            self.cfg,
+            self.state,
+            self.cfg.train.total_steps,
+            self.step,
+            self.evaluate,
+            self.save_checkpoint,
+            self.ctx.checkpoint,
+        )
 
     def close(self) -> None:
         self.sender.destroy()

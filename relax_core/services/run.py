@@ -24,8 +24,9 @@ import torch
 
 from relax_core.config import ConfigError, RunConfig, load_config
 from relax_core.services.colocate import ColocateController
+from relax_core.services.loop import train_until
 from relax_core.services.session import RunSession, RunState
-from relax_core.tracking import Monitor, ProgressBar, format_summary
+from relax_core.tracking import Monitor, format_summary
 from relax_core.train import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
@@ -129,27 +130,15 @@ def run_steps(cfg: RunConfig, checkpoint: str, max_steps: int) -> str:
     target = min(total, state.policy_version + max_steps)
     if state.policy_version >= target:
         return checkpoint
-    monitor = monitor_for(cfg, state)
-    monitor.start(dataclasses.asdict(cfg), run_tags(state, cfg.mode))
-    latest = checkpoint
-    bar = ProgressBar(total, state.policy_version, enabled=cfg.tracking.progress)
-    try:
-        while state.policy_version < target:
-            metrics = controller.step()
-            v = state.policy_version
-            every = cfg.train.eval_every
-            if every and v % every == 0 and v < total:
-                metrics.update(controller.evaluate())
-            monitor.log_metrics(metrics, step=v)
-            bar.update(v, metrics)
-            if v % cfg.train.checkpoint_every == 0 or v == target:
-                # Flushed first: a checkpoint never exists without the metrics that led to it.
-                monitor.flush()
-                latest = os.path.abspath(session.save_checkpoint())
-    finally:
-        bar.close()
-        monitor.flush()
-    return latest
+    return train_until(
+        cfg,
+        state,
+        target,
+        controller.step,
+        controller.evaluate,
+        session.save_checkpoint,
+        checkpoint,
+    )
 
 
 def finish_run(cfg: RunConfig, checkpoint: str) -> dict[str, Any]:

@@ -123,17 +123,7 @@ class RunSession:
             "python": random.getstate()[1][:625],
         }
 
-        def write_model(directory: str) -> None:
-            self.backend.save(directory)
-            self.tokenizer.save_pretrained(directory)
-
-        return ckpt.save_checkpoint(
-            self.run_dir,
-            self.state.policy_version,
-            write_model,
-            {**dataclasses.asdict(self.state), "config": dataclasses.asdict(self.cfg)},
-            self.cfg.train.keep_checkpoints,
-        )
+        return save_run_checkpoint(self.run_dir, self.state, self.cfg, self.backend, self.tokenizer)
 
     def _restore_rng(self) -> None:
         rng = self.state.rng
@@ -145,3 +135,19 @@ class RunSession:
     @property
     def dataset_cursor(self) -> DatasetCursor:
         return DatasetCursor.from_dict(self.state.dataset_cursor)
+
+
+def save_run_checkpoint(run_dir: str, state: RunState, cfg: RunConfig, backend, tokenizer) -> str:
+    """Checkpoint `state.policy_version`: model + optimizer (backend), tokenizer, state + config."""
+
+    def write_model(directory: str) -> None:
+        backend.save(directory)
+        tokenizer.save_pretrained(directory)
+
+    return ckpt.save_checkpoint(
+        run_dir,
+        state.policy_version,
+        write_model,
+        {**dataclasses.asdict(state), "config": dataclasses.asdict(cfg)},
+        cfg.train.keep_checkpoints,
+    )
