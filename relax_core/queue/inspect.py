@@ -119,13 +119,27 @@ def summarize(queue: TransferQueue) -> dict[str, Any]:
     }
 
 
+_NEWEST = 12
+
+
 def _hist(counts: dict[int, int], width: int = 30) -> list[str]:
+    """One bar per key; with many keys (a long run's versions) only the newest few, and a line
+    saying how many older ones there are."""
     if not counts:
         return ["    (none)"]
     top = max(counts.values())
-    return [
-        f"    {key:>4}  {'#' * max(1, round(width * n / top)):<{width}} {n}"
-        for key, n in counts.items()
+    keys = sorted(counts)
+    lines = []
+    if len(keys) > _NEWEST:
+        older = keys[:-_NEWEST]
+        lines.append(
+            f"    ({len(older)} older: {older[0]}..{older[-1]}, {sum(counts[k] for k in older)} "
+            "groups)"
+        )
+        keys = keys[-_NEWEST:]
+    return lines + [
+        f"    {key:>4}  {'#' * max(1, round(width * counts[key] / top)):<{width}} {counts[key]}"
+        for key in keys
     ]
 
 
@@ -156,7 +170,11 @@ def render(summary: dict[str, Any]) -> str:
             )
         )
     if summary["admitted"]:
-        by_version = ", ".join(f"v{v}: {n}" for v, n in summary["admitted_by_version"].items())
+        admitted = summary["admitted_by_version"]
+        shown = list(admitted.items())[-_NEWEST:]
+        by_version = ", ".join(f"v{v}: {n}" for v, n in shown)
+        if len(admitted) > len(shown):
+            by_version = f"... {len(admitted) - len(shown)} older versions, " + by_version
         lines.append(f"admitted groups: {summary['admitted']} ({by_version})")
     final = next((s for s in reversed(STAGES) if summary["stages"][s]["entries"]), None)
     if final:
