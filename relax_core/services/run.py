@@ -110,6 +110,15 @@ def start_run(cfg: RunConfig, policy_dir: str) -> str:
             cfg.run_name,
             cfg.checkpoint.dir,
         )
+    if not os.path.isfile(os.path.join(policy_dir, "config.json")):
+        # Flyte's cache of prepare_policy can outlive the directory it returned (a deleted work
+        # dir, another machine): prepare the same policy again instead of failing on a path.
+        from relax_core.data.dataset import fingerprint
+        from relax_core.models.policy import PolicySpec, prepare_policy
+
+        log.warning("prepared policy %s is gone; preparing it again", policy_dir)
+        spec = PolicySpec.of(cfg, fingerprint(cfg.data.train_path))
+        policy_dir = prepare_policy(spec, cfg.checkpoint.policy_cache_dir)
     run_id = f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     state = RunState(run_id=run_id, policy_dir=policy_dir, started_at=time.time())
     session = RunSession(cfg, policy_dir, state)
