@@ -180,7 +180,7 @@ class Supervisor:
                     self.queue.stop()
                     self._terminate(10.0)
                     where = (
-                        ""
+                        " (its output is above)"
                         if rp is trainer
                         else f"; last lines of {rp.log_path}:\n{_tail(rp.log_path)}"
                     )

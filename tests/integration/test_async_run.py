@@ -168,3 +168,33 @@ def test_all_five_roles_with_partial_rollouts_over_object_store_sync(small_confi
         hi = table.column("behaviour_version_max").to_pylist()
         assert all(a <= b for a, b in zip(lo, hi, strict=True))
     assert queue.store.list_dir("weights"), "no weights were published to the object store"
+
+
+def test_a_role_that_dies_stops_the_run_with_an_error_naming_it(small_config, workdir):
+    cfg = small_config(
+        "k.yaml",
+        run_name="k",
+        mode="async",
+        rollout={"max_staleness": 1},
+        algorithm={"proximal": "behaviour"},
+        train={"total_steps": 200, "checkpoint_every": 50},
+        services=ASYNC["services"],
+    )
+    proc = _run(cfg)
+    queue_root = workdir / ".relax" / "queue"
+    deadline, victim = time.time() + 300, None
+    while time.time() < deadline and victim is None:
+        for run_id in os.listdir(queue_root) if queue_root.is_dir() else []:
+            for beat in TransferQueue(str(queue_root), run_id).heartbeats():
+                if beat["role"] == "rollout" and beat["info"].get("policy_version", 0) >= 2:
+                    victim = beat["info"]["pid"]
+        time.sleep(0.05)
+    assert victim is not None, "rollout never received version 2"
+    os.kill(victim, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=120)  # no hang: the other roles are stopped too
+    assert proc.returncode != 0
+    assert "rollout-0 exited with code -9" in out
+    run_dir = os.path.dirname(_final(workdir, "k"))
+    roles = {r["role"]: r for r in _roles(run_dir)}
+    assert all(r["exit_code"] is not None for r in roles.values())
+    assert TransferQueue(str(queue_root), read_state(_final(workdir, "k"))["run_id"]).stopped()
