@@ -203,6 +203,7 @@ def serve(ctx) -> None:
                 if wait_start is None:
                     wait_start = time.perf_counter()
                     ctx.status["state"] = f"at the staleness bound ({first} groups started)"
+                    ctx.beat()  # waiting is news: `relax queue` shows it now, not a beat later
                 if joined:
                     receiver.wait(timeout=0.05)
                 else:

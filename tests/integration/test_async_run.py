@@ -122,7 +122,11 @@ def test_a_delayed_trainer_holds_rollout_at_the_staleness_bound(small_config, wo
         assert ledger.started() == held, "rollout kept admitting groups while the trainer slept"
         newest = max(ledger.started_by_version())
         assert held == (newest + k + 1) * g, "rollout stopped short of the bound"
-        rollout = [b for b in queue.heartbeats() if b["role"] == "rollout"][0]
+        for _ in range(50):  # its heartbeat says why it waits (written when it starts waiting)
+            rollout = next(b for b in queue.heartbeats() if b["role"] == "rollout")
+            if rollout["info"]["state"].startswith("at the staleness bound"):
+                break
+            time.sleep(0.1)
         assert rollout["info"]["state"].startswith("at the staleness bound"), rollout
     finally:
         os.kill(trainer_pid, signal.SIGCONT)
