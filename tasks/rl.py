@@ -15,7 +15,9 @@ preempted node restarts from the newest checkpoint it or an earlier attempt save
 
 from __future__ import annotations
 
+import html
 import json
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -205,12 +207,22 @@ def advantages_service(cfg_json: str, checkpoint: str) -> None:
     _serve("advantages", cfg_json, checkpoint)
 
 
-@task(requests=GPU, limits=GPU_LIMITS, accelerator=H100, retries=1, timeout=timedelta(hours=1))
+@task(
+    requests=GPU,
+    limits=GPU_LIMITS,
+    accelerator=H100,
+    retries=1,
+    timeout=timedelta(hours=1),
+    enable_deck=True,
+)
 def finish_run(cfg_json: str, checkpoint: str) -> RunSummary:
-    """Final held-out eval, close the MLflow run, print the summary."""
+    """Final held-out eval, close the MLflow run, print the summary; the run report (curves,
+    staleness histogram, time per role, MLflow link) is this task's Flyte Deck."""
     from relax_core.services import run
 
-    s = run.finish_run(_cfg(cfg_json), checkpoint)
+    cfg = _cfg(cfg_json)
+    s = run.finish_run(cfg, checkpoint)
+    _run_report_deck(cfg, s["mlflow_run_id"])
     return RunSummary(
         run_id=s["run_id"],
         steps=s["steps"],
@@ -220,3 +232,19 @@ def finish_run(cfg_json: str, checkpoint: str) -> RunSummary:
         mlflow_run_id=s["mlflow_run_id"],
         checkpoint=s["checkpoint"],
     )
+
+
+def _run_report_deck(cfg: RunConfig, mlflow_run_id: str) -> None:
+    """The report as a Deck; a report that cannot be built costs the deck, not the run."""
+    from flytekit import Deck
+
+    from relax_core.tracking.mlflow_monitor import default_tracking_uri
+
+    try:
+        from relax_core.tracking.report import run_report_html
+
+        page = run_report_html(cfg.tracking.tracking_uri or default_tracking_uri(), mlflow_run_id)
+    except Exception as exc:  # noqa: BLE001 - reported in the deck and the log instead
+        logging.getLogger(__name__).warning("run report failed: %s", exc)
+        page = f"<p>The run report could not be built: {html.escape(repr(exc))}</p>"
+    Deck("Run report", page)

@@ -75,6 +75,10 @@ def test_training_node_is_retried_interruptible_and_bounded(settings):
     assert _template(settings, evaluate_checkpoint).metadata.retries.retries == 1
 
 
+def test_finish_run_renders_the_run_report_deck(settings):
+    assert _template(settings, finish_run).metadata.generates_deck is True
+
+
 def test_async_role_tasks_are_retried_and_only_rollout_is_interruptible(settings):
     for task in (trainer_service, rollout_service, reference_service, advantages_service):
         t = _template(settings, task)
