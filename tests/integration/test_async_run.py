@@ -25,7 +25,7 @@ from relax_core.train.checkpoint import find_resume_checkpoint, read_state
 
 pytestmark = pytest.mark.integration
 
-ASYNC = {"mode": "async", "services": {"trainer_threads": 1, "poll_s": 0.002}}
+ASYNC = {"mode": "async", "services": {"trainer_threads": 1, "poll_s": 0.002, "heartbeat_s": 0.2}}
 
 
 def _run(cfg_path: str) -> subprocess.Popen:
@@ -95,7 +95,7 @@ def test_a_delayed_trainer_holds_rollout_at_the_staleness_bound(small_config, wo
         "d.yaml",
         run_name="d",
         rollout={"max_staleness": k, "groups_per_step": g},
-        train={"total_steps": 40, "checkpoint_every": 20},
+        train={"total_steps": 150, "checkpoint_every": 50},
         algorithm={"is_mode": "tis"},
         services={**ASYNC["services"], "rollout_batch_groups": 2},
         mode="async",
@@ -115,6 +115,7 @@ def test_a_delayed_trainer_holds_rollout_at_the_staleness_bound(small_config, wo
     assert trainer_pid is not None, "the trainer never reached version 3"
     os.kill(trainer_pid, signal.SIGSTOP)
     try:
+        assert not queue.stopped(), "the run ended before the trainer could be delayed"
         ledger = AdmissionLedger(queue)
         time.sleep(2.0)
         held = ledger.started()
@@ -137,7 +138,7 @@ def test_a_delayed_trainer_holds_rollout_at_the_staleness_bound(small_config, wo
         assert int(name) + body["count"] <= (body["policy_version"] + k + 1) * g
     state = read_state(_final(workdir, "d"))
     staleness = _metrics(workdir, state["tracking_run_id"], "train/staleness_max")
-    assert len(staleness) == 40 and max(staleness) <= k
+    assert len(staleness) == 150 and max(staleness) <= k
     assert max(staleness) >= 1, "rollout never ran ahead of the trainer"
 
 
