@@ -35,6 +35,8 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 CPU = Resources(cpu="2", mem="8Gi")
 GPU = Resources(cpu="8", mem="64Gi", gpu="1")
 GPU_LIMITS = Resources(cpu="16", mem="96Gi", gpu="1")
+ON_GPU = {"requests": GPU, "limits": GPU_LIMITS, "accelerator": H100}
+"""What every task that holds a model asks of a cluster: one H100 and the CPU/memory around it."""
 
 
 @dataclass
@@ -81,9 +83,7 @@ def prepare_data(cfg: RunConfig) -> Prepared:
 
 
 @task(
-    requests=GPU,
-    limits=GPU_LIMITS,
-    accelerator=H100,
+    **ON_GPU,
     cache=True,
     cache_version="1",
     retries=1,
@@ -104,7 +104,7 @@ def policy_spec(cfg_json: str, data_fingerprint: str) -> str:
     return PolicySpec.of(_cfg(cfg_json), data_fingerprint).to_json()
 
 
-@task(requests=GPU, limits=GPU_LIMITS, accelerator=H100, retries=1, timeout=timedelta(hours=1))
+@task(**ON_GPU, retries=1, timeout=timedelta(hours=1))
 def start_run(cfg_json: str, policy_dir: str) -> str:
     """New run: held-out eval at step 0 and checkpoint v0. Resume: the checkpoint to continue."""
     from relax_core.services import run
@@ -113,9 +113,7 @@ def start_run(cfg_json: str, policy_dir: str) -> str:
 
 
 @task(
-    requests=GPU,
-    limits=GPU_LIMITS,
-    accelerator=H100,
+    **ON_GPU,
     retries=3,
     interruptible=True,
     timeout=timedelta(hours=6),
@@ -132,9 +130,7 @@ def rl_steps(cfg_json: str, checkpoint: str) -> str:
 
 
 @task(
-    requests=GPU,
-    limits=GPU_LIMITS,
-    accelerator=H100,
+    **ON_GPU,
     retries=1,
     timeout=timedelta(hours=12),
 )
@@ -157,9 +153,7 @@ def _serve(role: str, cfg_json: str, checkpoint: str, worker: int = 0) -> None:
 
 
 @task(
-    requests=GPU,
-    limits=GPU_LIMITS,
-    accelerator=H100,
+    **ON_GPU,
     retries=3,
     timeout=timedelta(hours=12),
 )
@@ -176,9 +170,7 @@ def trainer_service(cfg_json: str, checkpoint: str) -> str:
 
 
 @task(
-    requests=GPU,
-    limits=GPU_LIMITS,
-    accelerator=H100,
+    **ON_GPU,
     retries=3,
     interruptible=True,
     timeout=timedelta(hours=12),
@@ -189,13 +181,13 @@ def rollout_service(cfg_json: str, checkpoint: str, worker: int) -> None:
     _serve("rollout", cfg_json, checkpoint, worker)
 
 
-@task(requests=GPU, limits=GPU_LIMITS, accelerator=H100, retries=3, timeout=timedelta(hours=12))
+@task(**ON_GPU, retries=3, timeout=timedelta(hours=12))
 def reference_service(cfg_json: str, checkpoint: str) -> None:
     """Async mode on a cluster: frozen reference / teacher log-probs."""
     _serve("reference", cfg_json, checkpoint)
 
 
-@task(requests=GPU, limits=GPU_LIMITS, accelerator=H100, retries=3, timeout=timedelta(hours=12))
+@task(**ON_GPU, retries=3, timeout=timedelta(hours=12))
 def actor_fwd_service(cfg_json: str, checkpoint: str) -> None:
     """Async mode on a cluster: proximal log-probs under the newest trainer weights."""
     _serve("actor_fwd", cfg_json, checkpoint)
@@ -208,9 +200,7 @@ def advantages_service(cfg_json: str, checkpoint: str) -> None:
 
 
 @task(
-    requests=GPU,
-    limits=GPU_LIMITS,
-    accelerator=H100,
+    **ON_GPU,
     retries=1,
     timeout=timedelta(hours=1),
     enable_deck=True,

@@ -12,7 +12,6 @@ trained, so a resumed trainer neither repeats nor skips a group.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -29,10 +28,8 @@ from relax_core.queue import (
     select_step_groups,
     split_over_stale,
     staleness_histogram,
-    table_to_rows,
 )
 from relax_core.services.role import RoleContext, set_threads
-from relax_core.services.rollout import rollout_metrics
 from relax_core.services.session import RunState
 from relax_core.services.trainer import train_on_table
 from relax_core.train import checkpoint as ckpt
@@ -69,12 +66,16 @@ class ReadyPool:
     def refresh(self) -> int:
         """Read every `ready` entry not seen yet; returns how many were new."""
         new = 0
-        for seq in self.queue.committed("ready", self.cursor.through):
-            if seq in self._seen or self.cursor.consumed(seq):
-                if seq not in self._seen:
-                    self._count_arrived(seq, None)
+        # The first listing covers the whole stage: entries trained before a resume still count
+        # as arrived, or their versions would look in flight forever.
+        after = self.cursor.through if self._seen else -1
+        for seq in self.queue.committed("ready", after):
+            if seq in self._seen:
                 continue
             self._seen.add(seq)
+            if self.cursor.consumed(seq):
+                self._count_arrived(seq, None)
+                continue
             new += 1
             entry = self.queue.entry("ready", seq)
             self._count_arrived(seq, entry.record if entry.table is not None else None)
@@ -97,13 +98,18 @@ class ReadyPool:
         return new
 
     def _count_arrived(self, seq: int, record: dict[str, Any] | None) -> None:
-        """Count the groups of ready entry `seq` as no longer in flight. A tombstone's groups
-        are looked up in the rollout record of the same seq (the stages keep seqs)."""
-        if record is None:
+        """Count the groups of ready entry `seq` as no longer in flight. Without a usable
+        record (a tombstone, an entry trained before a resume) they are looked up in the ready
+        record, then in the rollout record of the same seq (the stages keep seqs)."""
+        for stage in ("ready", "rollout"):
+            if record is not None and record.get("versions"):
+                break
             try:
-                record = self.queue.record("rollout", seq)
-            except Exception:  # an unreadable rollout record: its groups cannot be placed
-                return
+                record = self.queue.record(stage, seq)
+            except Exception:  # an unreadable record: its groups cannot be placed
+                record = None
+        if record is None:
+            return
         for version, count in (record.get("versions") or {}).items():
             self._arrived[int(version)] += int(count)
 
@@ -157,6 +163,24 @@ class ReadyPool:
         return meta
 
 
+def _batch_metrics(batch: pa.Table) -> dict[str, float]:
+    """Reward, accuracy, length and truncation means of the trained rows, from their columns
+    (what `rollout.rollout_metrics` reports for rows as dicts)."""
+    n = max(1, batch.num_rows)
+    infos = batch.column("reward_info").to_pylist()  # JSON text per row
+    correct = sum(bool(json.loads(i).get("correct")) for i in infos if i)
+    lengths = pc.list_value_length(batch.column("response_ids"))
+    return {
+        "train/reward_mean": float(pc.sum(batch.column("reward")).as_py() or 0.0) / n,
+        "train/accuracy": correct / n,
+        "train/response_length": float(pc.sum(lengths).as_py() or 0) / n,
+        "train/truncated_frac": float(
+            pc.sum(pc.equal(batch.column("finish_reason"), "length")).as_py() or 0
+        )
+        / n,
+    }
+
+
 def _entry_metrics(metas: list[dict[str, Any]]) -> dict[str, float]:
     """Rollout time and token totals of the entries read since the last step."""
     out = dict.fromkeys(_SUMMED, 0.0)
@@ -179,10 +203,7 @@ class AsyncTrainer:
         cfg = self.cfg = ctx.cfg
         s = cfg.services
         set_threads(s.trainer_threads)
-        raw = ckpt.read_state(ctx.checkpoint)
-        self.state = RunState(
-            **{f.name: raw[f.name] for f in dataclasses.fields(RunState) if f.name in raw}
-        )
+        self.state = RunState.from_dict(ckpt.read_state(ctx.checkpoint))
         if self.state.run_id != ctx.run_id:
             raise ValueError(
                 f"checkpoint {ctx.checkpoint} belongs to run {self.state.run_id!r}, "
@@ -307,19 +328,12 @@ class AsyncTrainer:
         self.sender.push(self.backend.named_weights(), v + 1)
         self.ctx.status["policy_version"] = v + 1
         t3 = time.perf_counter()
-        rows = table_to_rows(batch)
-        for row in rows:  # stored as JSON text in the queue
-            if isinstance(row["reward_info"], str):
-                row["reward_info"] = json.loads(row["reward_info"])
-        metrics.update(rollout_metrics(rows))
+        metrics.update(_batch_metrics(batch))
         metrics.update(_entry_metrics(self.pool.pop_meta()))
-        groups: dict[str, int] = {}
-        for row in rows:
-            groups[row["group_id"]] = min(
-                row["behaviour_version_min"], groups.get(row["group_id"], 1 << 62)
-            )
-        hist = staleness_histogram(v, groups.values())
-        staleness = [v - b for b in groups.values()]
+        groups = batch.group_by("group_id").aggregate([("behaviour_version_min", "min")])
+        versions = groups.column("behaviour_version_min_min").to_pylist()
+        hist = staleness_histogram(v, versions)
+        staleness = [v - b for b in versions]
         step_s = t3 - t0
         metrics.update(
             {
@@ -330,7 +344,7 @@ class AsyncTrainer:
                 "perf/trainer_wait_s": waited,
                 "perf/train_s": t2 - t1,
                 "perf/sync_s": t3 - t2,
-                "perf/tokens_per_s": float(sum(len(x["response_ids"]) for x in rows)) / step_s,
+                "perf/tokens_per_s": metrics["train/response_length"] * batch.num_rows / step_s,
                 "queue/ready_groups_on_hand": float(len(self.pool.groups)),
                 "queue/ready_through": float(self.pool.cursor.through),
                 "queue/dropped_stale_groups": float(dropped),

@@ -238,8 +238,7 @@ def serve(ctx) -> None:
                 },
             )
     finally:
-        joiner.join(timeout=s.start_timeout_s)
-        if joined and joined[0] is None:
+        if joined and joined[0] is None:  # never joined: nothing to leave (a daemon thread)
             receiver.destroy()
 
 

@@ -48,6 +48,11 @@ class RunState:
     group ids already trained of entries a step batch split."""
     rng: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> RunState:
+        """From a checkpoint's state.json (fields it lacks, from older versions, default)."""
+        return cls(**{f.name: raw[f.name] for f in dataclasses.fields(cls) if f.name in raw})
+
 
 class RunSession:
     def __init__(self, cfg: RunConfig, model_dir: str, state: RunState) -> None:
@@ -102,10 +107,7 @@ class RunSession:
     # ------------------------------------------------------------------ checkpoints
     @classmethod
     def from_checkpoint(cls, cfg: RunConfig, path: str) -> RunSession:
-        raw = ckpt.read_state(path)
-        state = RunState(
-            **{f.name: raw[f.name] for f in dataclasses.fields(RunState) if f.name in raw}
-        )
+        state = RunState.from_dict(ckpt.read_state(path))
         session = cls(cfg, path, state)
         if os.path.isfile(os.path.join(path, "optimizer.pt")):
             session.backend.load(path)

@@ -67,3 +67,20 @@ def test_no_group_jumps_ahead_of_an_older_one_still_generating(tmp_path):
     pool.refresh()
     assert pool.in_flight_versions() == []
     assert pool.select(4, False) == ["a", "b", "c", "d"]
+
+
+def test_a_resumed_pool_counts_entries_trained_before_the_checkpoint_as_arrived(tmp_path):
+    queue = TransferQueue(str(tmp_path), "run")
+    ledger = AdmissionLedger(queue)
+    ledger.try_admit(2, 0, 1, 2)
+    _put(queue, ["a", "b"], 0)
+    ledger.try_admit(2, 1, 1, 2)
+    _put(queue, ["c", "d"], 1)
+    pool = _pool(queue)
+    pool.refresh()
+    pool.take(pool.select(2, False))
+    resumed = _pool(queue, pool.state())  # entry 0 trained before the checkpoint
+    for _ in range(3):  # every poll: version 0 is not in flight, and is never counted twice
+        resumed.refresh()
+        assert resumed.in_flight_versions() == []
+    assert resumed.select(2, False) == ["c", "d"]
