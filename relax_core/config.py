@@ -263,6 +263,9 @@ class TrackingConfig:
     """MLflow tracking URI; empty = $MLFLOW_TRACKING_URI, else sqlite ./mlflow.db."""
     progress: bool = True
     """Show a progress bar on stderr."""
+    registered_model: str = ""
+    """MLflow registered-model name the final policy is registered under at the end of a run
+    (a new version each run); empty = log no model."""
 
 
 @dataclass(frozen=True)

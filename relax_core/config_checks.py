@@ -7,6 +7,7 @@ run time, so the two modules do not depend on each other in a cycle.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -25,6 +26,10 @@ LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "dr_grpo")
 IS_MODES = ("none", "tis", "mis")
 IS_LEVELS = ("token", "sequence")
 DTYPES = ("float32", "bfloat16")
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+MODEL_URI = re.compile(r"models:/(?P<name>[^/@]+)(/(?P<version>[0-9]+|latest)|@(?P<alias>[\w-]+))")
+"""An MLflow registry reference: models:/<name>/<version>, models:/<name>/latest or
+models:/<name>@<alias>."""
 
 
 def _choice(errors: list[str], path: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -140,6 +145,17 @@ def validate(cfg: RunConfig) -> list[str]:
     _choice(e, "model.dtype", m.dtype, DTYPES)
     if m.kind == "pretrained" and not m.source:
         e.append("model.source: required when model.kind is 'pretrained'")
+    if m.source.startswith("models:") and not MODEL_URI.fullmatch(m.source):
+        e.append(
+            f"model.source: {m.source!r} is not a registry reference; use models:/<name>/<version>, "
+            "models:/<name>/latest or models:/<name>@<alias>"
+        )
+    name = cfg.tracking.registered_model
+    if name and not MODEL_NAME.fullmatch(name):
+        e.append(
+            f"tracking.registered_model: {name!r} must be letters, digits, '.', '_' or '-' "
+            "(it becomes part of a models:/ URI)"
+        )
     if m.kind == "tiny-qwen3":
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
             _positive(e, f"model.{name}", getattr(m, name))

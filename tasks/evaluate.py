@@ -25,11 +25,14 @@ class EvalSummary:
 
 
 @task(requests=Resources(cpu="2", mem="8Gi"), retries=1)
-def evaluate_checkpoint(cfg: RunConfig, checkpoint: str, k: int, samples: int) -> EvalSummary:
-    """Greedy pass@1, sampled pass@k and mean reward of `checkpoint` on cfg's eval split."""
+def evaluate_checkpoint(
+    cfg: RunConfig, checkpoint: str, model: str, k: int, samples: int
+) -> EvalSummary:
+    """Greedy pass@1, sampled pass@k and mean reward on cfg's eval split of a checkpoint
+    directory or a registered model version (exactly one of the two)."""
     from relax_core.services.evaluate_checkpoint import evaluate_checkpoint as run_eval
 
-    result = run_eval(cfg, checkpoint, k=k, n_samples=samples)
+    result = run_eval(cfg, checkpoint, k=k, n_samples=samples, model=model)
     print(
         f"eval of {result['checkpoint']} (v{result['policy_version']}): "
         f"pass@1 {result['eval_accuracy']:.3f}, pass@{k} {result['pass_at_k']:.3f}, "

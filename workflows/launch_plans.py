@@ -1,10 +1,13 @@
 """Scheduled post-training: launch plans over the `train` workflow.
 
 `nightly_grpo` runs the CPU default's GRPO recipe every night at 02:00 UTC on whatever
-`data.train_path` holds then (point it at the dataset snapshot your pipeline refreshes), resuming
-the newest run of the same `run_name` from its last checkpoint (`checkpoint.resume: true`), so
-each night continues where the previous one stopped. Activate it on a cluster with
-`flytectl update launchplan -p <project> -d <domain> nightly_grpo --version <v> --activate`.
+`data.train_path` holds then (point it at the dataset snapshot your pipeline refreshes), starting
+from the newest registered version of the policy (`models:/relax-cpu-default/latest`, pinned to a
+version number when the run starts) and registering its own final policy as the next version, so
+the model registry carries each night's result to the next. The first version comes from any run
+with `tracking.registered_model: relax-cpu-default` (the CPU default sets it). Activate it on a
+cluster with `flytectl update launchplan -p <project> -d <domain> nightly_grpo --version <v>
+--activate`.
 """
 
 from __future__ import annotations
@@ -18,12 +21,19 @@ from workflows.train import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NIGHTLY_CRON = "0 2 * * *"
+NIGHTLY_MODEL = "relax-cpu-default"
 
 
 def nightly_config():
-    """The CPU default recipe, resuming the newest run of its name each night."""
+    """The CPU default's RL recipe, from the newest registered policy, registering the next."""
     cfg = load_config(os.path.join(REPO, "configs", "cpu-default.yaml"))
-    return replace(cfg, checkpoint={"resume": True}, tracking={"experiment": "relax-nightly"})
+    return replace(
+        cfg,
+        run_name="nightly-grpo",
+        model={"kind": "pretrained", "source": f"models:/{NIGHTLY_MODEL}/latest"},
+        warm_start={"steps": 0},
+        tracking={"experiment": "relax-nightly", "registered_model": NIGHTLY_MODEL},
+    )
 
 
 nightly_grpo = LaunchPlan.get_or_create(

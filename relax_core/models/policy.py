@@ -38,10 +38,12 @@ class PolicySpec:
     data: DataConfig
     seed: int
     data_fingerprint: str = ""
+    registry_uri: str = ""
+    """The MLflow tracking URI a `models:/<name>/<version>` source is read from."""
 
     @classmethod
-    def of(cls, cfg: RunConfig, data_fingerprint: str = "") -> PolicySpec:
-        return cls(cfg.model, cfg.warm_start, cfg.data, cfg.seed, data_fingerprint)
+    def of(cls, cfg: RunConfig, data_fingerprint: str = "", registry_uri: str = "") -> PolicySpec:
+        return cls(cfg.model, cfg.warm_start, cfg.data, cfg.seed, data_fingerprint, registry_uri)
 
     def to_json(self) -> str:
         """Canonical JSON (sorted keys): equal specs give equal text, so it can key a cache."""
@@ -59,6 +61,7 @@ class PolicySpec:
             sections.data,
             data["seed"],
             data["data_fingerprint"],
+            data.get("registry_uri", ""),
         )
 
     def key(self) -> str:
@@ -67,6 +70,8 @@ class PolicySpec:
             "warm_start": dataclasses.asdict(self.warm_start),
             "seed": self.seed,
         }
+        if self.registry_uri:
+            parts["registry_uri"] = self.registry_uri
         if self.warm_start.steps > 0:
             d = self.data
             parts["data"] = [d.train_path, d.template, d.system_prompt, self.data_fingerprint]
@@ -134,6 +139,14 @@ def _base_model(spec: PolicySpec, cache_dir: str):
 
         tokenizer = build_char_tokenizer()
         return build_tiny_qwen3(spec.model, len(tokenizer), spec.seed), tokenizer
+    if spec.model.source.startswith("models:"):
+        # A registered policy of an earlier run: its HF directory, pinned to one version upstream.
+        from relax_core.tracking.registry import download_policy
+
+        directory = download_policy(
+            spec.registry_uri, spec.model.source, os.path.join(cache_dir, "registry")
+        )
+        return load_policy(directory, spec.model.dtype)
     from relax_core.models.pretrained import materialize
 
     directory = materialize(spec.model.source, os.path.join(cache_dir, "hf"))

@@ -1,8 +1,9 @@
 """Evaluate a checkpoint on the held-out split, as its own MLflow run nested under its training run.
 
-Parts: the checkpoint's RunSession (policy, engine, reward, eval prompts), the same greedy eval
-the training run logs (eval/accuracy = pass@1), a sampled pass@k with the unbiased estimator over
-n samples per prompt, and an MLflowMonitor whose run carries `mlflow.parentRunId` = the training
+Parts: what to evaluate (a checkpoint directory, or a registered model version `models:/...`
+pinned and downloaded into the policy cache), its RunSession (policy, engine, reward, eval
+prompts), the same greedy eval the training run logs (eval/accuracy = pass@1), a sampled pass@k
+with the unbiased estimator over n samples per prompt, and an MLflowMonitor whose run carries `mlflow.parentRunId` = the training
 run, so the MLflow UI shows the evaluation under the run that produced the weights.
 """
 
@@ -51,16 +52,37 @@ def sampled_pass_at_k(session, n_samples: int, k: int, limit: int) -> dict[str, 
     }
 
 
+def resolve_target(cfg: RunConfig, checkpoint: str, model: str) -> tuple[str, str]:
+    """(local checkpoint directory, pinned models:/ URI or "") of what to evaluate: a checkpoint
+    directory or a registered model version (downloaded once into the policy cache)."""
+    if bool(checkpoint) == bool(model):
+        raise ValueError(
+            "evaluate: give exactly one of --checkpoint (a checkpoint directory) or --model "
+            "(models:/<name>/<version>, models:/<name>/latest or models:/<name>@<alias>)"
+        )
+    if checkpoint:
+        return checkpoint, ""
+    from relax_core.services.run import tracking_uri_of
+    from relax_core.tracking.registry import download_policy, resolve_model_uri
+
+    uri = tracking_uri_of(cfg)
+    pinned = resolve_model_uri(uri, model).uri
+    cache = os.path.join(cfg.checkpoint.policy_cache_dir, "registry")
+    return download_policy(uri, pinned, cache), pinned
+
+
 def evaluate_checkpoint(
-    cfg: RunConfig, checkpoint: str, k: int = 8, n_samples: int = 8
+    cfg: RunConfig, checkpoint: str = "", k: int = 8, n_samples: int = 8, model: str = ""
 ) -> dict[str, Any]:
-    """Greedy pass@1, sampled pass@k and mean reward of `checkpoint`, logged to MLflow."""
+    """Greedy pass@1, sampled pass@k and mean reward of `checkpoint` (a directory) or `model` (a
+    registered version), logged to MLflow under the training run that produced the weights."""
     from relax_core.services.colocate import ColocateController
     from relax_core.services.session import RunSession
     from relax_core.tracking import MLflowMonitor
 
     if not 0 < k <= n_samples:
         raise ValueError(f"evaluate: need 0 < k <= samples, got k={k}, samples={n_samples}")
+    checkpoint, model_uri = resolve_target(cfg, checkpoint, model)
     session = RunSession.from_checkpoint(cfg, checkpoint)
     state = session.state
     metrics = ColocateController(session).evaluate()
@@ -75,11 +97,13 @@ def evaluate_checkpoint(
         "relax.evaluates_run": state.run_id,
         "relax.checkpoint": os.path.abspath(checkpoint),
     }
+    if model_uri:
+        tags["relax.model_uri"] = model_uri
     if state.tracking_run_id:
         tags["mlflow.parentRunId"] = state.tracking_run_id
         tags["relax.training_mlflow_run"] = state.tracking_run_id
     params = {
-        "checkpoint": os.path.abspath(checkpoint),
+        "checkpoint": model_uri or os.path.abspath(checkpoint),
         "k": k,
         "samples": n_samples,
         "eval_path": cfg.data.eval_path,
@@ -89,7 +113,7 @@ def evaluate_checkpoint(
     monitor.log_metrics(metrics, step=state.policy_version)
     monitor.finish("FINISHED")
     return {
-        "checkpoint": os.path.abspath(checkpoint),
+        "checkpoint": model_uri or os.path.abspath(checkpoint),
         "policy_version": state.policy_version,
         "eval_accuracy": metrics["eval/accuracy"],
         "pass_at_k": metrics[f"eval/pass_at_{k}"],

@@ -107,7 +107,13 @@ def test_workflows_serialize_with_all_their_nodes(settings):
     assert all(c.condition.comparison.left_value.var.endswith(".execution") for c in cases)
     assert branch.else_node.metadata.name == "async_roles"
     ev = get_serializable(OrderedDict(), settings, evaluate)
-    assert [p for p in ev.template.interface.inputs] == ["cfg", "checkpoint", "k", "samples"]
+    assert [p for p in ev.template.interface.inputs] == [
+        "cfg",
+        "checkpoint",
+        "model",
+        "k",
+        "samples",
+    ]
 
 
 def test_nightly_launch_plan_schedule_and_inputs(settings):
@@ -117,7 +123,11 @@ def test_nightly_launch_plan_schedule_and_inputs(settings):
     cfg = lp.spec.default_inputs.parameters["cfg"].default.scalar.binary
     assert cfg.tag == "msgpack"
     values = msgpack.unpackb(cfg.value)
-    assert values["run_name"] == "cpu-default"
-    assert values["checkpoint"]["resume"] is True
+    assert values["run_name"] == "nightly-grpo"
+    # Each night starts from the newest registered policy and registers the next version.
+    assert values["model"]["kind"] == "pretrained"
+    assert values["model"]["source"] == "models:/relax-cpu-default/latest"
+    assert values["warm_start"]["steps"] == 0
+    assert values["tracking"]["registered_model"] == "relax-cpu-default"
     assert values["tracking"]["experiment"] == "relax-nightly"
     assert values["algorithm"]["loss"] == "grpo"
