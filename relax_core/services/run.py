@@ -48,7 +48,14 @@ def preflight(cfg: RunConfig) -> None:
     except (ValueError, TypeError) as exc:
         text = str(exc)
         problems.append(text if text.startswith("reward.") else f"reward.name: {text}")
-    if cfg.model.kind == "pretrained":
+    if cfg.model.kind == "pretrained" and cfg.model.source.startswith("models:"):
+        from relax_core.tracking.registry import resolve_model_uri
+
+        try:
+            resolve_model_uri(tracking_uri_of(cfg), cfg.model.source)
+        except ValueError as exc:
+            problems.append(f"model.source: {exc}")
+    elif cfg.model.kind == "pretrained":
         from relax_core.models.pretrained import resolve_source
 
         try:
@@ -88,11 +95,28 @@ def monitor_for(cfg: RunConfig, state: RunState) -> Monitor:
     )
 
 
+FLYTE_TAGS = {
+    "flyte.execution_id": "FLYTE_INTERNAL_EXECUTION_ID",
+    "flyte.project": "FLYTE_INTERNAL_EXECUTION_PROJECT",
+    "flyte.domain": "FLYTE_INTERNAL_EXECUTION_DOMAIN",
+    "flyte.workflow": "FLYTE_INTERNAL_EXECUTION_WORKFLOW",
+    "flyte.version": "FLYTE_INTERNAL_TASK_VERSION",
+}
+"""MLflow tag -> the variable Flyte sets in every task pod of an execution (absent in local
+runs). The task version is the version the workflow was registered under."""
+
+
 def run_tags(state: RunState, mode: str) -> dict[str, str]:
-    tags = {"relax.run_id": state.run_id, "relax.mode": mode}
-    execution = os.environ.get("FLYTE_INTERNAL_EXECUTION_ID")
-    if execution:
-        tags["flyte.execution_id"] = execution
+    from importlib.metadata import version
+
+    tags = {
+        "relax.run_id": state.run_id,
+        "relax.mode": mode,
+        "relax.version": version("relax-flyte"),
+    }
+    for tag, variable in FLYTE_TAGS.items():
+        if os.environ.get(variable):
+            tags[tag] = os.environ[variable]
     return tags
 
 
@@ -158,6 +182,8 @@ def finish_run(cfg: RunConfig, checkpoint: str) -> dict[str, Any]:
     monitor = monitor_for(cfg, state)
     monitor.start(dataclasses.asdict(cfg), run_tags(state, cfg.mode))
     monitor.log_metrics(after, step=state.policy_version)
+    monitor.flush()
+    registered = register_final_policy(cfg, state, checkpoint, after, monitor.tracking_uri)
     monitor.finish("FINISHED")
     summary = {
         "eval_accuracy_before": state.eval_before.get("eval/accuracy"),
@@ -167,12 +193,83 @@ def finish_run(cfg: RunConfig, checkpoint: str) -> dict[str, Any]:
         "mlflow_run_id": state.tracking_run_id,
         "mlflow_run_url": f"{monitor.tracking_uri}  {monitor.run_url()}",
         "checkpoint": os.path.abspath(checkpoint),
+        "registered_model": registered,
+        "compare_url": compare_with_previous(monitor.tracking_uri, monitor),
     }
     print(format_summary(summary), file=sys.stderr, flush=True)
     summary["run_id"] = state.run_id
     with open(os.path.join(session.run_dir, "summary.json"), "w") as f:
         json.dump({**summary, "eval_before": state.eval_before, "eval_after": after}, f, indent=1)
     return summary
+
+
+def register_final_policy(
+    cfg: RunConfig, state: RunState, checkpoint: str, after: dict[str, float], tracking_uri: str
+) -> str | None:
+    """Register the final checkpoint under `tracking.registered_model`; returns its models:/ URI."""
+    name = cfg.tracking.registered_model
+    if not name:
+        return None
+    from relax_core.tracking.registry import register_policy
+
+    accuracy = after["eval/accuracy"]
+    registered = register_policy(
+        tracking_uri,
+        state.tracking_run_id,
+        checkpoint,
+        name,
+        model_config={
+            "template": cfg.data.template,
+            "system_prompt": cfg.data.system_prompt,
+            "max_new_tokens": cfg.rollout.max_new_tokens,
+        },
+        tags={
+            "relax.run_id": state.run_id,
+            "relax.policy_version": str(state.policy_version),
+            "relax.eval_accuracy": f"{accuracy:.4f}",
+            "relax.loss": cfg.algorithm.loss,
+        },
+        description=(
+            f"{cfg.algorithm.loss} run {state.run_id}, policy version {state.policy_version}: "
+            f"held-out accuracy {accuracy:.3f} on {cfg.data.eval_path}"
+        ),
+    )
+    return registered.uri
+
+
+def compare_with_previous(tracking_uri: str, monitor) -> str | None:
+    """MLflow UI page comparing this run with the experiment's previous training run, if any."""
+    from relax_core.tracking.compare import compare_url, previous_run, ui_base_url
+
+    try:
+        before = previous_run(tracking_uri, monitor.experiment_id, monitor.run_id)
+    except Exception as exc:  # noqa: BLE001 - a summary line is not worth failing a finished run
+        logging.getLogger(__name__).warning("no comparison link: %s", exc)
+        return None
+    if before is None:
+        return None
+    return compare_url(ui_base_url(), [monitor.experiment_id], [before, monitor.run_id])
+
+
+def tracking_uri_of(cfg: RunConfig) -> str:
+    from relax_core.tracking.mlflow_monitor import default_tracking_uri
+
+    return cfg.tracking.tracking_uri or default_tracking_uri()
+
+
+def policy_spec_for(cfg: RunConfig, data_fingerprint: str):
+    """The starting policy's spec; a registry source (`models:/<name>/latest`, `@alias`) is pinned
+    to the version it names now, so the cached policy is keyed on exact weights."""
+    from relax_core.models.policy import PolicySpec
+
+    if cfg.model.kind != "pretrained" or not cfg.model.source.startswith("models:"):
+        return PolicySpec.of(cfg, data_fingerprint)
+    from relax_core.config import replace
+    from relax_core.tracking.registry import resolve_model_uri
+
+    uri = tracking_uri_of(cfg)
+    pinned = resolve_model_uri(uri, cfg.model.source).uri
+    return PolicySpec.of(replace(cfg, model={"source": pinned}), data_fingerprint, uri)
 
 
 def read_version(checkpoint: str) -> int:
@@ -188,12 +285,12 @@ def newest_checkpoint(checkpoint: str) -> str:
 def run(cfg: RunConfig) -> dict[str, Any]:
     """The whole run from this process (what the Flyte workflow does node by node)."""
     from relax_core.data.dataset import fingerprint
-    from relax_core.models.policy import PolicySpec, prepare_policy
+    from relax_core.models.policy import prepare_policy
 
     preflight(cfg)
     if cfg.train.torch_threads:
         torch.set_num_threads(cfg.train.torch_threads)
-    spec = PolicySpec.of(cfg, fingerprint(cfg.data.train_path))
+    spec = policy_spec_for(cfg, fingerprint(cfg.data.train_path))
     checkpoint = start_run(cfg, prepare_policy(spec, cfg.checkpoint.policy_cache_dir))
     if cfg.mode == "async":
         # Outside Flyte there is one machine: the roles run as supervised local processes.

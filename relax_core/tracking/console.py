@@ -27,6 +27,8 @@ SUMMARY_KEYS = (
     "mlflow_run_id",
     "mlflow_run_url",
     "checkpoint",
+    "registered_model",
+    "compare_url",
 )
 
 
@@ -108,7 +110,7 @@ def format_summary(summary: Mapping[str, object]) -> str:
     """A short end-of-run report; keys are SUMMARY_KEYS, each optional, unknown keys refused.
 
     eval_accuracy_before/after: floats in [0, 1]; wall_time_s: seconds; steps: int;
-    mlflow_run_id / mlflow_run_url / checkpoint: strings. A line whose values are absent is left out.
+    mlflow_run_id / mlflow_run_url / checkpoint / registered_model / compare_url: strings. A line whose values are absent is left out.
     """
     unknown = sorted(set(summary) - set(SUMMARY_KEYS))
     if unknown:
@@ -119,6 +121,8 @@ def format_summary(summary: Mapping[str, object]) -> str:
         ("wall time", _duration_or_none(summary)),
         ("MLflow run", _mlflow_line(summary)),
         ("checkpoint", _str_or_none(summary.get("checkpoint"))),
+        ("model", _str_or_none(summary.get("registered_model"))),
+        ("compare", _str_or_none(summary.get("compare_url"))),
     ]
     lines = ["Run summary"]
     lines += [f"  {label:<14}{text}" for label, text in rows if text]

@@ -1,5 +1,7 @@
 """`pyflyte run workflows/evaluate.py evaluate` on a trained checkpoint: the same accuracy the
-training run's final eval logged, pass@k, and an MLflow run nested under the training run."""
+training run's final eval logged, pass@k, and an MLflow run nested under the training run. The
+run's final policy is a registered MLflow model: evaluating it, serving it as a pyfunc and
+starting a new run from it all see the very same weights."""
 
 from __future__ import annotations
 
@@ -38,13 +40,18 @@ def test_evaluate_reports_the_training_runs_final_accuracy(workdir):
         load_config(os.path.join(REPO, "configs", "cpu-default.yaml")),
         data={"eval_size": 64},
         train={"total_steps": 2, "steps_per_node": 2, "eval_every": 0, "torch_threads": 2},
-        tracking={"tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}", "progress": False},
+        tracking={
+            "tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}",
+            "progress": False,
+            "registered_model": "relax-test-policy",
+        },
     )
     cfg_path = str(workdir / "cfg.yaml")
     with open(cfg_path, "w") as f:
         yaml.safe_dump(config_to_dict(cfg), f)
     summary = run(cfg)
     assert 0.05 < summary["eval_accuracy_after"] < 0.95
+    assert summary["registered_model"] == "models:/relax-test-policy/1"
     cmd = [
         os.path.join(os.path.dirname(sys.executable), "pyflyte"),
         "run",
@@ -80,3 +87,63 @@ def test_evaluate_reports_the_training_runs_final_accuracy(workdir):
     with open(os.path.join(os.path.dirname(summary["checkpoint"]), "summary.json")) as f:
         logged = json.load(f)["eval_after"]["eval/accuracy"]
     assert logged == summary["eval_accuracy_after"]
+    _check_registered_policy(cfg, summary, workdir)
+
+
+def _check_registered_policy(cfg, first, workdir):
+    """Evaluating, serving and starting a run from the registered version all see the final
+    checkpoint's weights."""
+    import mlflow
+
+    from relax_core.rewards.registry import build_reward
+    from relax_core.rewards.scoring import score_batch
+    from relax_core.services.evaluate_checkpoint import evaluate_checkpoint
+
+    uri = cfg.tracking.tracking_uri
+    client = MlflowClient(uri)
+    version = client.get_model_version("relax-test-policy", "1")
+    assert version.run_id == first["mlflow_run_id"]
+    assert version.tags["relax.policy_version"] == str(first["steps"])
+    assert float(version.tags["relax.eval_accuracy"]) == round(first["eval_accuracy_after"], 4)
+
+    # Evaluating the registered version is evaluating the final checkpoint.
+    ev = evaluate_checkpoint(cfg, "", k=2, n_samples=2, model="models:/relax-test-policy/latest")
+    assert ev["eval_accuracy"] == first["eval_accuracy_after"]
+    assert (
+        ev["checkpoint"] == "models:/relax-test-policy/1"
+    )  # 'latest' pinned to the version it used
+    assert ev["training_mlflow_run_id"] == first["mlflow_run_id"]
+
+    # Served as a pyfunc, the model answers the eval prompts as well as the run said it does.
+    with open(cfg.data.eval_path) as f:
+        rows = [json.loads(line) for line in f][: cfg.data.eval_size]
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        served = mlflow.pyfunc.load_model("models:/relax-test-policy/1")
+    finally:
+        mlflow.set_tracking_uri(previous)
+    texts = served.predict([r["prompt"] for r in rows])
+    reward = build_reward(cfg.reward, cache_dir=str(workdir / "hf"), dtype="float32", seed=0)
+    results, _ = score_batch(reward, texts, [r["answer"] for r in rows], rows)
+    assert sum(r.correct for r in results) / len(rows) == first["eval_accuracy_after"]
+
+    # A run that starts from the registry (what the nightly launch plan does) starts from exactly
+    # those weights: its step-0 eval is the first run's final eval.
+    seeded = replace(
+        cfg,
+        run_name="from-registry",
+        model={"kind": "pretrained", "source": "models:/relax-test-policy/latest"},
+        warm_start={"steps": 0},
+    )
+    second = run(seeded)
+    assert second["eval_accuracy_before"] == first["eval_accuracy_after"]
+    assert second["registered_model"] == "models:/relax-test-policy/2"
+    # Its summary links the MLflow UI page comparing it with the experiment's previous run.
+    assert first["mlflow_run_id"] in second["compare_url"]
+    assert second["mlflow_run_id"] in second["compare_url"]
+    assert second["compare_url"].startswith("http://127.0.0.1:5000/#/compare-runs?runs=")
+    with pytest.raises(ValueError, match="no registered model 'nope'"):
+        evaluate_checkpoint(cfg, model="models:/nope/latest")
+    with pytest.raises(ValueError, match="exactly one of --checkpoint"):
+        evaluate_checkpoint(cfg, first["checkpoint"], model="models:/relax-test-policy/1")

@@ -29,7 +29,7 @@ STEP_METRICS = [
 ]
 
 
-def _pyflyte(cfg_path: str, cwd) -> subprocess.CompletedProcess:
+def _pyflyte(cfg_path: str, cwd, **env_vars: str) -> subprocess.CompletedProcess:
     cmd = [
         os.path.join(os.path.dirname(sys.executable), "pyflyte"),
         "run",
@@ -38,15 +38,27 @@ def _pyflyte(cfg_path: str, cwd) -> subprocess.CompletedProcess:
         "--cfg",
         cfg_path,
     ]
-    env = {**os.environ, "PYTHONPATH": REPO}
+    env = {**os.environ, "PYTHONPATH": REPO, **env_vars}
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
 
 
 def test_pyflyte_run_trains_logs_checkpoints_and_resumes(small_config, workdir):
-    cfg = small_config(train={"total_steps": 4, "steps_per_node": 2, "checkpoint_every": 2})
-    first = _pyflyte(cfg, workdir)
+    cfg = small_config(
+        train={"total_steps": 4, "steps_per_node": 2, "checkpoint_every": 2},
+        tracking={"registered_model": "relax-t"},
+    )
+    # What Flyte sets in every task pod of a cluster execution.
+    flyte_env = {
+        "FLYTE_INTERNAL_EXECUTION_ID": "f3a9c2e1b",
+        "FLYTE_INTERNAL_EXECUTION_PROJECT": "relax",
+        "FLYTE_INTERNAL_EXECUTION_DOMAIN": "development",
+        "FLYTE_INTERNAL_EXECUTION_WORKFLOW": "workflows.train.train",
+        "FLYTE_INTERNAL_TASK_VERSION": "v42",
+    }
+    first = _pyflyte(cfg, workdir, **flyte_env)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "Run summary" in first.stderr and "eval accuracy" in first.stderr
+    assert "model         models:/relax-t/1" in first.stderr
 
     ckpt = find_resume_checkpoint(str(workdir / ".relax" / "checkpoints"), "t")
     state = read_state(ckpt)
@@ -56,6 +68,10 @@ def test_pyflyte_run_trains_logs_checkpoints_and_resumes(small_config, workdir):
     run = client.get_run(state["tracking_run_id"])
     assert run.info.status == "FINISHED"
     assert run.data.params["train.total_steps"] == "4"
+    assert run.data.tags["flyte.execution_id"] == "f3a9c2e1b"
+    assert run.data.tags["flyte.version"] == "v42"
+    assert run.data.tags["flyte.workflow"] == "workflows.train.train"
+    assert client.get_model_version("relax-t", "1").run_id == run.info.run_id
     for name in STEP_METRICS:
         assert [m.step for m in client.get_metric_history(run.info.run_id, name)] == [1, 2, 3, 4]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy")] == [0, 4]
