@@ -100,8 +100,11 @@ def prepare_policy(spec_json: str, cache_dir: str) -> str:
 
 @task(requests=CPU)
 def policy_spec(cfg_json: str, data_fingerprint: str) -> str:
-    """The settings that determine the starting weights, as canonical JSON (the cache key)."""
-    return PolicySpec.of(_cfg(cfg_json), data_fingerprint).to_json()
+    """The settings that determine the starting weights, as canonical JSON (the cache key); a
+    registry source is pinned to the version it names now."""
+    from relax_core.services.run import policy_spec_for
+
+    return policy_spec_for(_cfg(cfg_json), data_fingerprint).to_json()
 
 
 @task(**ON_GPU, retries=1, timeout=timedelta(hours=1))
