@@ -1,6 +1,7 @@
-# The project image for Flyte tasks on a cluster (`pyflyte register --image ...`): the engine, the
-# CPU torch build pinned in pyproject.toml, and the SmolLM2 GGUF weights package. GPU roles use
-# their own images under containers/ once the GPU backends land.
+# The default image for Flyte tasks on a cluster (`pyflyte register --image ...`): the engine, the
+# CPU torch build pinned in pyproject.toml, and the SmolLM2 GGUF weights package. It runs the light
+# tasks (prepare_data, policy_spec, advantages) and the SGLang rollout driver; GPU tasks run in
+# containers/trainer, the SGLang server in containers/rollout (named images: tasks/pods.py).
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 MLFLOW_DISABLE_TELEMETRY=true \
