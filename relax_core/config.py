@@ -75,6 +75,9 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
+    engine: str = "torch"
+    """'torch' (the policy in the rollout process, transformers + KV cache) or 'sglang' (an SGLang
+    server beside each rollout worker: the rollout pod's sidecar on a cluster)."""
     n_samples_per_prompt: int = 8
     """Responses per prompt: the group GRPO normalizes within."""
     groups_per_step: int = 32

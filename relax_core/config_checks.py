@@ -26,6 +26,7 @@ LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "dr_grpo")
 IS_MODES = ("none", "tis", "mis")
 IS_LEVELS = ("token", "sequence")
 DTYPES = ("float32", "bfloat16")
+ENGINES = ("torch", "sglang")
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MODEL_URI = re.compile(r"models:/(?P<name>[^/@]+)(/(?P<version>[0-9]+|latest)|@(?P<alias>[\w-]+))")
 """An MLflow registry reference: models:/<name>/<version>, models:/<name>/latest or
@@ -169,6 +170,14 @@ def validate(cfg: RunConfig) -> list[str]:
     _choice(e, "data.template", cfg.data.template, TEMPLATES)
     _positive(e, "data.eval_size", cfg.data.eval_size, allow_zero=True)
     r = cfg.rollout
+    _choice(e, "rollout.engine", r.engine, ENGINES)
+    if r.engine == "sglang":
+        # The cluster graph (rollout pod with an SGLang sidecar) is in place; the engine client
+        # that drives it is not, so refuse here rather than in a pod on a cluster.
+        e.append(
+            "rollout.engine: 'sglang' is not available in this build (its HTTP engine client "
+            "is not implemented yet); use 'torch'"
+        )
     if r.n_samples_per_prompt < 2:
         e.append("rollout.n_samples_per_prompt: must be >= 2 (GRPO compares responses in a group)")
     _positive(e, "rollout.groups_per_step", r.groups_per_step)

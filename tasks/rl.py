@@ -29,14 +29,21 @@ from flytekit.extras.accelerators import H100
 from relax_core.config import RunConfig, config_to_dict
 from relax_core.models import policy
 from relax_core.models.policy import PolicySpec
+from tasks.pods import TRAINER_IMAGE, sglang_rollout_pod
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 CPU = Resources(cpu="2", mem="8Gi")
 GPU = Resources(cpu="8", mem="64Gi", gpu="1")
 GPU_LIMITS = Resources(cpu="16", mem="96Gi", gpu="1")
-ON_GPU = {"requests": GPU, "limits": GPU_LIMITS, "accelerator": H100}
-"""What every task that holds a model asks of a cluster: one H100 and the CPU/memory around it."""
+ON_GPU = {
+    "requests": GPU,
+    "limits": GPU_LIMITS,
+    "accelerator": H100,
+    "container_image": TRAINER_IMAGE,
+}
+"""What every task that holds a model asks of a cluster: one H100 and the CPU/memory around it,
+in the trainer image (CUDA torch + megatron-core)."""
 
 
 @dataclass
@@ -181,6 +188,19 @@ def trainer_service(cfg_json: str, checkpoint: str) -> str:
 def rollout_service(cfg_json: str, checkpoint: str, worker: int) -> None:
     """Async mode on a cluster: one rollout worker (engine + rewards); interruptible, since
     admission tickets and queue commits make a restarted worker lose and repeat nothing."""
+    _serve("rollout", cfg_json, checkpoint, worker)
+
+
+@task(
+    requests=Resources(cpu="4", mem="16Gi"),
+    pod_template=sglang_rollout_pod(),
+    retries=3,
+    interruptible=True,
+    timeout=timedelta(hours=12),
+)
+def sglang_rollout_service(cfg_json: str, checkpoint: str, worker: int) -> None:
+    """Async mode on a cluster with `rollout.engine: sglang`: one rollout worker driving the
+    SGLang server in its pod's sidecar (tasks/pods.py); the GPU belongs to the sidecar."""
     _serve("rollout", cfg_json, checkpoint, worker)
 
 

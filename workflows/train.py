@@ -33,6 +33,7 @@ from tasks.rl import (
     reference_service,
     rl_steps,
     rollout_service,
+    sglang_rollout_service,
     start_run,
     trainer_service,
 )
@@ -54,8 +55,9 @@ def async_roles(cfg_json: str, checkpoint: str) -> str:
     from relax_core.services.role import stage_chain
 
     cfg = RunConfig.from_json(cfg_json)
+    rollout = sglang_rollout_service if cfg.rollout.engine == "sglang" else rollout_service
     for worker in range(cfg.services.rollout_workers):
-        rollout_service(cfg_json=cfg_json, checkpoint=checkpoint, worker=worker)
+        rollout(cfg_json=cfg_json, checkpoint=checkpoint, worker=worker)
     services = {
         "reference": reference_service,
         "actor_fwd": actor_fwd_service,

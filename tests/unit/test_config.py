@@ -120,3 +120,28 @@ def test_algorithm_suite_settings_that_make_sense_load():
         reward={"overlong_buffer": 1},
     )
     assert cfg.algorithm.loss == "gspo" and cfg.rollout.dynamic_sampling
+
+
+@pytest.mark.parametrize(
+    ("sections", "expected"),
+    [
+        ({"rollout": {"engine": "vllm"}}, "rollout.engine: 'vllm' is not one of torch, sglang"),
+        ({"rollout": {"engine": "sglang"}}, "rollout.engine: 'sglang' is not available"),
+        ({"tracking": {"registered_model": "my model"}}, "tracking.registered_model: 'my model'"),
+        ({"tracking": {"registered_model": "a/b"}}, "letters, digits, '.', '_' or '-'"),
+        (
+            {"model": {"kind": "pretrained", "source": "models:/policy"}},
+            "model.source: 'models:/policy' is not a registry reference",
+        ),
+    ],
+)
+def test_engine_and_registry_settings_are_checked(sections, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        replace(load_config(os.path.join(REPO, "configs", "cpu-default.yaml")), **sections)
+
+
+def test_registry_references_in_every_form_load():
+    base = load_config(os.path.join(REPO, "configs", "cpu-default.yaml"))
+    for source in ("models:/relax/3", "models:/relax/latest", "models:/relax@champion"):
+        cfg = replace(base, model={"kind": "pretrained", "source": source})
+        assert cfg.model.source == source

@@ -25,6 +25,7 @@ from tasks.rl import (
     reference_service,
     rl_steps,
     rollout_service,
+    sglang_rollout_service,
     start_run,
     trainer_service,
 )
@@ -33,13 +34,26 @@ from workflows.launch_plans import NIGHTLY_CRON, nightly_grpo
 from workflows.train import train
 
 IMAGE = "ghcr.io/relax/relax:v1"
+TRAINER_IMAGE = "ghcr.io/relax/relax-trainer:v1"
+ROLLOUT_IMAGE = "ghcr.io/relax/relax-rollout:v1"
 
 
 @pytest.fixture(scope="module")
 def settings() -> SerializationSettings:
-    image = Image(name="default", fqn=IMAGE.split(":")[0], tag=IMAGE.split(":")[1])
+    # As `pyflyte register --image IMAGE --image trainer=... --image rollout=...` sets them.
+    images = [
+        Image(name=name, fqn=full.split(":")[0], tag=full.split(":")[1])
+        for name, full in (
+            ("default", IMAGE),
+            ("trainer", TRAINER_IMAGE),
+            ("rollout", ROLLOUT_IMAGE),
+        )
+    ]
     return SerializationSettings(
-        image_config=ImageConfig(default_image=image), project="relax", domain="dev", version="v1"
+        image_config=ImageConfig(default_image=images[0], images=images),
+        project="relax",
+        domain="dev",
+        version="v1",
     )
 
 
@@ -59,9 +73,40 @@ def test_model_holding_tasks_get_a_gpu_and_light_tasks_do_not(settings):
         t = _template(settings, task)
         assert _requests(t).get("GPU") == "1", (task.name, _requests(t))
         assert t.extended_resources.gpu_accelerator.device == "nvidia-h100", task.name
-        assert t.container.image == IMAGE
+        assert t.container.image == TRAINER_IMAGE, task.name  # CUDA torch + megatron-core
     for task in (prepare_data, policy_spec, advantages_service):
-        assert "GPU" not in _requests(_template(settings, task)), task.name
+        t = _template(settings, task)
+        assert "GPU" not in _requests(t), task.name
+        assert t.container.image == IMAGE, task.name
+
+
+def test_sglang_rollout_pod_has_the_server_as_a_gpu_sidecar_sharing_the_policy_volume(settings):
+    t = _template(settings, sglang_rollout_service)
+    assert t.container is None  # the pod spec carries both containers
+    assert t.metadata.interruptible is True and t.metadata.retries.retries == 3
+    pod = t.k8s_pod.pod_spec
+    containers = {c["name"]: c for c in pod["containers"]}
+    assert sorted(containers) == ["primary", "sglang"]
+    primary, sidecar = containers["primary"], containers["sglang"]
+    # The primary runs the rollout service (pyflyte-execute) in the default image, without a GPU.
+    assert primary["image"] == IMAGE and "sglang_rollout_service" in primary["args"]
+    assert "nvidia.com/gpu" not in primary["resources"]["requests"]
+    env = {e["name"]: e["value"] for e in primary["env"]}
+    assert env["RELAX_SGLANG_URL"] == "http://127.0.0.1:30000"
+    # The sidecar is the SGLang server in the rollout image, on the pod's GPU.
+    assert sidecar["image"] == ROLLOUT_IMAGE
+    assert sidecar["command"] == ["/opt/relax/serve.sh"]
+    assert sidecar["resources"]["requests"]["nvidia.com/gpu"] == "1"
+    assert sidecar["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/health", "port": 30000}
+    # Both see the policy directory the primary writes; SGLang gets a memory-backed /dev/shm.
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory"}
+    for c in (primary, sidecar):
+        assert {"name": "models", "mountPath": "/models"} in c["volumeMounts"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in sidecar["volumeMounts"]
+    model_env = {e["name"]: e["value"] for e in sidecar["env"]}["RELAX_MODEL_DIR"]
+    assert model_env == env["RELAX_MODEL_DIR"] == "/models/policy"
 
 
 def test_training_node_is_retried_interruptible_and_bounded(settings):
