@@ -73,21 +73,30 @@ def register_policy(
                 python_model=os.path.join(_HERE, "policy_pyfunc.py"),
                 artifacts={POLICY_ARTIFACT: policy_dir},
                 model_config=model_config,
-                registered_model_name=name,
                 signature=_signature(int(model_config.get("max_new_tokens", 64))),
                 pip_requirements=_requirements(),
-                await_registration_for=60,
                 tags=tags,
             )
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         mlflow.set_tracking_uri(previous)
-    client = MlflowClient(tracking_uri)
-    version = info.registered_model_version
-    for key, value in tags.items():
-        client.set_model_version_tag(name, str(version), key, value)
-    if description:
-        client.update_model_version(name, str(version), description=description)
+    # Registered through a client bound to this store: the fluent registry follows a
+    # process-wide URI that another part of the program may have set.
+    client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
+    if not _model_exists(client, name):
+        client.create_registered_model(name)
+    # The logged model's storage location, not its models:/m-... URI: MLflow's SQL registry
+    # looks such a URI up through a client on the process-wide tracking URI (a TODO in
+    # mlflow/store/model_registry/sqlalchemy_store.py, create_model_version).
+    location = client.get_logged_model(info.model_id).artifact_location
+    version = client.create_model_version(
+        name,
+        source=location,
+        run_id=run_id,
+        tags=tags,
+        description=description or None,
+        model_id=info.model_id,
+    ).version
     return RegisteredPolicy(name, int(version))
 
 
@@ -113,7 +122,7 @@ def _requirements() -> list[str]:
 def _version_of_run(
     tracking_uri: str, name: str, run_id: str, policy_version: str
 ) -> RegisteredPolicy | None:
-    client = MlflowClient(tracking_uri)
+    client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
     if not _model_exists(client, name):
         return None
     for mv in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'"):
@@ -143,7 +152,7 @@ def resolve_model_uri(tracking_uri: str, uri: str) -> RegisteredPolicy:
             "models:/<name>/latest or models:/<name>@<alias>"
         )
     name, version, alias = match["name"], match["version"], match["alias"]
-    client = MlflowClient(tracking_uri)
+    client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
     if not _model_exists(client, name):
         raise ValueError(f"{uri}: no registered model {name!r} in {tracking_uri}")
     try:
@@ -167,13 +176,47 @@ def download_policy(tracking_uri: str, uri: str, cache_dir: str) -> str:
 
     pinned = resolve_model_uri(tracking_uri, uri)
     target = os.path.abspath(os.path.join(cache_dir, f"{pinned.name}-v{pinned.version}"))
-    policy_dir = os.path.join(target, "artifacts", POLICY_ARTIFACT)
+    policy_dir = os.path.join(target, POLICY_ARTIFACT)
     if os.path.isfile(os.path.join(policy_dir, "config.json")):
         return policy_dir
     os.makedirs(cache_dir, exist_ok=True)
     staging = f"{target}.tmp-{uuid.uuid4().hex}"
     try:
-        download_artifacts(artifact_uri=pinned.uri, dst_path=staging, tracking_uri=tracking_uri)
+        # The version's own artifact location, not its models:/ URI: MLflow resolves those
+        # against the process-wide registry URI, whatever tracking URI is passed.
+        client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
+        source = client.get_model_version_download_uri(pinned.name, str(pinned.version))
+        os.makedirs(staging)
+        try:
+            download_artifacts(
+                artifact_uri=f"{source.rstrip('/')}/artifacts/{POLICY_ARTIFACT}",
+                dst_path=staging,
+                tracking_uri=tracking_uri,
+            )
+        except Exception as exc:  # noqa: BLE001 - named below, whatever the store raised
+            raise ValueError(
+                f"{pinned.uri} holds no '{POLICY_ARTIFACT}' artifact ({exc}); it was not "
+                "registered by a Relax run"
+            ) from exc
+        if not os.path.isfile(os.path.join(staging, POLICY_ARTIFACT, "config.json")):
+            raise ValueError(
+                f"{pinned.uri}: its '{POLICY_ARTIFACT}' artifact has no config.json; it was not "
+                "registered by a Relax run"
+            )
+        if os.path.isdir(target):
+            shutil.rmtree(target)
+        os.rename(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return policy_dir
+    os.makedirs(cache_dir, exist_ok=True)
+    staging = f"{target}.tmp-{uuid.uuid4().hex}"
+    try:
+        # The version's own artifact location, not its models:/ URI: MLflow resolves those
+        # against the process-wide registry URI, whatever tracking URI is passed.
+        client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
+        source = client.get_model_version_download_uri(pinned.name, str(pinned.version))
+        download_artifacts(artifact_uri=source, dst_path=staging, tracking_uri=tracking_uri)
         if not os.path.isfile(os.path.join(staging, "artifacts", POLICY_ARTIFACT, "config.json")):
             raise ValueError(
                 f"{pinned.uri} holds no '{POLICY_ARTIFACT}' artifact with a config.json; it was not "

@@ -100,13 +100,16 @@ def _check_registered_policy(cfg, first, workdir):
     from relax_core.services.evaluate_checkpoint import evaluate_checkpoint
 
     uri = cfg.tracking.tracking_uri
+    original = mlflow.get_tracking_uri()
     client = MlflowClient(uri)
     version = client.get_model_version("relax-test-policy", "1")
     assert version.run_id == first["mlflow_run_id"]
     assert version.tags["relax.policy_version"] == str(first["steps"])
     assert float(version.tags["relax.eval_accuracy"]) == round(first["eval_accuracy_after"], 4)
 
-    # Evaluating the registered version is evaluating the final checkpoint.
+    # Evaluating the registered version is evaluating the final checkpoint, whatever MLflow
+    # URI the process had set before (the config's store is the one read).
+    mlflow.set_tracking_uri(f"sqlite:///{workdir / 'elsewhere.db'}")
     ev = evaluate_checkpoint(cfg, "", k=2, n_samples=2, model="models:/relax-test-policy/latest")
     assert ev["eval_accuracy"] == first["eval_accuracy_after"]
     assert (
@@ -147,3 +150,4 @@ def _check_registered_policy(cfg, first, workdir):
         evaluate_checkpoint(cfg, model="models:/nope/latest")
     with pytest.raises(ValueError, match="exactly one of --checkpoint"):
         evaluate_checkpoint(cfg, first["checkpoint"], model="models:/relax-test-policy/1")
+    mlflow.set_tracking_uri(original)
