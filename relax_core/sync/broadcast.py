@@ -2,9 +2,14 @@
 
 Parts:
 - rendezvous: the sender opens a TCPStore on a free port of `host` and publishes its address in
-  `control/rendezvous/{group}` on the run's object store; receivers poll that record and join.
-  All ranks then exchange a layout check (fingerprint, tensor count, bucket size), so a
-  mismatched receiver fails init on both sides with a message instead of corrupting weights.
+  `control/rendezvous/{group}` on the run's object store (state "forming"); receivers poll that
+  record and join. All ranks then exchange a layout check (fingerprint, tensor count, bucket
+  size), so a mismatched receiver fails init on both sides with a message instead of corrupting
+  weights; then the record says "formed".
+- recovery: with gloo, a member that dies fails every later op of every other member. The sender
+  then `reform`s: a new generation (new store, new nonce) that the surviving receivers rejoin and
+  a restarted receiver joins; a restarted sender forms one the same way. Receivers join only a
+  record that is "forming" and not the generation they already left.
 - wire format: every message starts with an int64 header [op, version, n_buckets]. An update is
   UPDATE header (`pause`), one broadcast per bucket (`send`), END header (`resume`); STOP ends
   the receivers' loop (`destroy`).
@@ -22,6 +27,7 @@ its network interface from the hostname (set GLOO_SOCKET_IFNAME to choose one).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import time
 import uuid
@@ -45,6 +51,14 @@ from relax_core.sync.buckets import (
 )
 
 UPDATE, END, STOP = 1, 2, 3
+FORMING, FORMED = "forming", "formed"
+"""Rendezvous record states: receivers join only a group that is still forming."""
+
+
+class ProtocolError(RuntimeError):
+    """The peers disagree about the wire protocol: a bug, never healed by joining again."""
+
+
 _OPS = {UPDATE: "UPDATE", END: "END", STOP: "STOP"}
 _POLL_S = 0.2
 _CONNECT_TRY_S = 5.0
@@ -54,6 +68,12 @@ def rendezvous_path(group: str) -> str:
     if not group or "/" in group:
         raise ValueError(f"weight sync group name must be non-empty without '/', got {group!r}")
     return f"control/rendezvous/{group}"
+
+
+def waiting_path(group: str, rank: int | None = None) -> str:
+    """Where a receiver that waits for a group to join says so (`r{rank}`: its wait's start)."""
+    base = f"{rendezvous_path(group)}.waiting"
+    return base if rank is None else f"{base}/r{rank}"
 
 
 def _device_for(backend: str) -> torch.device:
@@ -127,6 +147,8 @@ class BroadcastSender:
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._ctrl: Any = None
         self._ctrl_device = self.device
+        self.generation = 0
+        self._formed_at = float("inf")
 
     # ------------------------------------------------------------------ lifecycle
     def init(self) -> None:
@@ -146,6 +168,8 @@ class BroadcastSender:
             "bucket_bytes": self.bucket_bytes,
             "layout": layout_to_json(self.specs),
             "nonce": self._nonce,
+            "generation": self.generation,
+            "state": FORMING,
             "time": time.time(),
         }
         self.store.write_replace(self.path, json.dumps(record).encode())
@@ -175,7 +199,54 @@ class BroadcastSender:
                 f"{_describe_row(rows[bad[0]])}); every receiver must build the trainer's "
                 "architecture and use its bucket_bytes"
             )
+        record["state"] = FORMED
+        self._formed_at = time.time()
+        self.store.write_replace(self.path, json.dumps(record).encode())
         self._state = "idle"
+
+    def needs_reform(self) -> bool:
+        """Whether a receiver began waiting for a group after this one formed (it broke, or it
+        restarted), so the next update must go to a new generation."""
+        prefix = waiting_path(self.group)
+        for name in self.store.list_dir(prefix):
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                since = float(json.loads(self.store.read_bytes(f"{prefix}/{name}"))["since"])
+                if since > self._formed_at:
+                    return True
+        return False
+
+    def push_or_reform(self, named_tensors: NamedTensors, version: int) -> bool:
+        """`push`, forming a new generation first when a receiver waits for one, or when the
+        push fails because a member died (then the whole update goes again). True if reformed."""
+        tensors = list(check_tensors(self.specs, named_tensors).items())
+        reformed = False
+        if self.needs_reform():
+            self.reform()
+            reformed = True
+        try:
+            self.push(tensors, version)
+            return reformed
+        except (ProtocolError, ValueError):
+            raise
+        except RuntimeError:  # gloo: a peer's connection closed or reset mid-update
+            pass
+        # Outside the handler: its traceback holds the failed work, and through it the old
+        # group, whose connections must close for the survivors to notice and rejoin.
+        self.reform()
+        self.push(tensors, version)
+        return True
+
+    def reform(self) -> None:
+        """Leave a broken group (a member died: gloo fails every op of a group with a dead
+        peer) and form the next generation; blocks until every rank joined it again (surviving
+        receivers rejoin on their own, a restarted one joins as it starts)."""
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        self._buffers = [None, None]
+        gc.collect()  # drop the last references to the old group's connections now
+        self._state = "new"
+        self.generation += 1
+        self.init()
 
     def destroy(self) -> None:
         """End the receivers' loops (STOP) and leave the group; safe to call twice."""

@@ -2,10 +2,13 @@
 
 A rollout engine or actor_fwd process joins the group its trainer published, then a background
 thread receives every update into staging buffers and hands complete ones to the engine loop.
+When the group breaks (the trainer or another member died), the thread leaves it and joins the
+next generation the trainer forms, while the engine goes on generating with the weights it has.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -22,13 +25,16 @@ from relax_core.sync.broadcast import (
     _OPS,
     _POLL_S,
     END,
+    FORMING,
     STOP,
     UPDATE,
+    ProtocolError,
     _control_group,
     _describe_row,
     _device_for,
     _layout_check,
     rendezvous_path,
+    waiting_path,
 )
 from relax_core.sync.buckets import (
     LayoutMismatch,
@@ -80,10 +86,15 @@ class BroadcastReceiver:
         self._joined = False
         self._ctrl: Any = None
         self._ctrl_device = self.device
+        self._nonce = ""
+        self.rejoins = 0
+        """Generations joined after the first (the group broke and was formed again)."""
 
     # ------------------------------------------------------------------ lifecycle
     def init(self) -> None:
-        deadline = time.monotonic() + self.timeout_s
+        self._join(time.monotonic() + self.timeout_s)
+
+    def _join(self, deadline: float) -> None:
         record, tcp = self._connect(deadline)
         backend = record["backend"]
         self.device = _device_for(backend)
@@ -108,6 +119,9 @@ class BroadcastReceiver:
                 f"at {record['addr']}:{record['port']} ({type(err).__name__}: {err})"
             ) from err
         self._joined = True
+        self._nonce = record["nonce"]
+        with contextlib.suppress(FileNotFoundError):
+            self.store.delete(waiting_path(self.group, self.rank))
         self._ctrl, self._ctrl_device = _control_group(backend, idle)
         rows = _layout_check(
             self.fingerprint, len(self.specs), self.bucket_bytes, self._ctrl, self._ctrl_device
@@ -196,15 +210,21 @@ class BroadcastReceiver:
             time.sleep(_POLL_S)
 
     def _read_record(self, deadline: float) -> dict:
+        """The record of a group that is forming and is not the one this receiver left. While
+        waiting, a marker under `waiting_path` asks the sender to form one."""
+        marker = waiting_path(self.group, self.rank)
+        self.store.write_replace(marker, json.dumps({"since": time.time()}).encode())
         while True:
             try:
-                return json.loads(self.store.read_bytes(self.path))
+                record = json.loads(self.store.read_bytes(self.path))
+                if record.get("state") == FORMING and record.get("nonce") != self._nonce:
+                    return record
             except FileNotFoundError:
                 pass
             if time.monotonic() >= deadline:
                 raise TimeoutError(
-                    f"weight sync group {self.group!r}: no rendezvous record at "
-                    f"{self.store.url(self.path)} after {self.timeout_s:.0f}s; is the trainer "
+                    f"weight sync group {self.group!r}: no rendezvous record of a forming group "
+                    f"at {self.store.url(self.path)} within {self.timeout_s:.0f}s; is the trainer "
                     "(the sender) running and using the same queue root and group name?"
                 )
             time.sleep(_POLL_S)
@@ -231,25 +251,43 @@ class BroadcastReceiver:
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            while True:
+            while not self._receive_until_stop():
+                # The group broke (a peer died): leave it, join the trainer's next generation.
+                self._leave()
+                self._join(time.monotonic() + self.idle_timeout_s)
+                self.rejoins += 1
+        except BaseException as err:  # surfaced to the engine loop by take()/wait()
+            self._slot.fail(err)
+
+    def _receive_until_stop(self) -> bool:
+        """Receive updates; True after STOP, False when the group broke under a receive."""
+        while True:
+            try:
                 op, version, n_buckets = self._recv_header()
                 if op == STOP:
                     self._slot.stop()
-                    return
+                    return True
                 self._expect_header(op, UPDATE, n_buckets)
                 tensors = self._recv_buckets()
                 end, end_version, n_buckets = self._recv_header()
-                self._expect_header(end, END, n_buckets)
-                if end_version != version:
-                    raise RuntimeError(
-                        f"weight sync group {self.group!r}: update {version} ended as "
-                        f"{end_version} (protocol error)"
-                    )
-                replaced = self._slot.put((version, tensors))
-                if replaced is not None:  # never taken: its staging is free
-                    self._pool.release(replaced[1])
-        except BaseException as err:  # surfaced to the engine loop by take()/wait()
-            self._slot.fail(err)
+            except ProtocolError:
+                raise
+            except RuntimeError:  # gloo: connection closed / reset by a dead peer
+                return False
+            self._expect_header(end, END, n_buckets)
+            if end_version != version:
+                raise ProtocolError(
+                    f"weight sync group {self.group!r}: update {version} ended as "
+                    f"{end_version} (protocol error)"
+                )
+            replaced = self._slot.put((version, tensors))
+            if replaced is not None:  # never taken: its staging is free
+                self._pool.release(replaced[1])
+
+    def _leave(self) -> None:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        self._joined = False
 
     def _recv_header(self) -> tuple[int, int, int]:
         header = torch.empty(3, dtype=torch.int64, device=self._ctrl_device)
@@ -259,7 +297,7 @@ class BroadcastReceiver:
 
     def _expect_header(self, op: int, expected: int, n_buckets: int) -> None:
         if op != expected or n_buckets != len(self.buckets):
-            raise RuntimeError(
+            raise ProtocolError(
                 f"weight sync group {self.group!r}: expected a {_OPS[expected]} header for "
                 f"{len(self.buckets)} buckets, got op {_OPS.get(op, op)} for {n_buckets} "
                 "(protocol error)"

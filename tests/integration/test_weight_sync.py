@@ -137,6 +137,39 @@ def test_broadcast_delivers_every_version_bit_for_bit_and_stop_ends_receivers(
     _assert_is_version(tmp_path / "r2-v5.safetensors", 5)
 
 
+def test_broadcast_group_forms_again_when_a_receiver_dies_and_restarts(tmp_path, sender_cleanup):
+    survivor = _spawn(tmp_path, "collect", "broadcast", rank=1)
+    victim = _spawn(tmp_path, "collect", "broadcast", rank=2)
+    store = ObjectStore(str(tmp_path / "q"), durable=False)
+    specs = specs_of(layout_tensors(0))
+    sender = BroadcastSender(store, "rollout", 3, specs, bucket_bytes=BUCKET, timeout_s=60.0)
+    sender.init()
+    assert sender.push_or_reform(layout_tensors(1), 1) is False  # a healthy group: no reform
+    _wait_for(tmp_path / "r1-v1.safetensors", survivor)
+    _wait_for(tmp_path / "r2-v1.safetensors", victim)
+    victim.kill()
+    victim.communicate()
+    (tmp_path / "ready-r2").unlink()
+    restarted = _spawn(tmp_path, "collect", "broadcast", rank=2)
+    # The dead member broke the group; the next update goes to a new generation that the
+    # survivor rejoins and the restarted receiver joins, and reaches both whole.
+    assert sender.push_or_reform(layout_tensors(2), 2) is True
+    assert sender.generation == 1
+    _wait_ready(tmp_path, restarted, rank=2)
+    sender.push_or_reform(layout_tensors(3), 3)
+    _wait_for(tmp_path / "r1-v3.safetensors", survivor)
+    _wait_for(tmp_path / "r2-v3.safetensors", restarted)
+    sender.destroy()
+    for proc in (survivor, restarted):
+        code, err = _finish(proc)
+        assert code == 0, err
+    assert json.loads((tmp_path / "r1.json").read_text())["taken"] == [1, 2, 3]
+    assert json.loads((tmp_path / "r2.json").read_text())["taken"] == [2, 3]
+    for version in (2, 3):
+        _assert_is_version(tmp_path / f"r1-v{version}.safetensors", version)
+        _assert_is_version(tmp_path / f"r2-v{version}.safetensors", version)
+
+
 def test_broadcast_refuses_a_misfit_tensor_before_sending_anything(tmp_path, sender_cleanup):
     receiver = _spawn(tmp_path, "collect", "broadcast", rank=1)
     store = ObjectStore(str(tmp_path / "q"), durable=False)
@@ -191,7 +224,8 @@ def test_receiver_without_a_sender_times_out_naming_the_rendezvous_path(tmp_path
     store = ObjectStore(str(tmp_path / "q"), durable=False)
     receiver = BroadcastReceiver(store, "rollout", 1, specs_of(layout_tensors(0)), timeout_s=0.5)
     with pytest.raises(
-        TimeoutError, match=r"no rendezvous record at .*q/control/rendezvous/rollout"
+        TimeoutError,
+        match=r"no rendezvous record of a forming group at .*q/control/rendezvous/rollout",
     ):
         receiver.init()
 
