@@ -256,6 +256,14 @@ class ServicesConfig:
     """Seconds between heartbeats under control/heartbeats/."""
     start_timeout_s: float = 300.0
     """How long a service waits for the trainer's weight-sync rendezvous."""
+    heartbeat_timeout_s: float = 120.0
+    """Local supervisor: a service whose newest heartbeat is older than this is silent (hung or
+    stopped); it is killed and handled as a failure."""
+    max_role_restarts: int = 3
+    """Local supervisor: restarts in place of one failed or silent service (the trainer resumes
+    from its newest checkpoint) before the whole run is restarted from that checkpoint."""
+    max_global_restarts: int = 2
+    """Local supervisor: whole-run restarts before the run gives up with a report."""
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,10 @@ def split_over_stale(
     return table.filter(keep), len(stale_ids)
 
 
+VOID = "tickets-void"
+"""Blocks voided by their worker's restart; the trainer no longer waits for them."""
+
+
 class AdmissionLedger:
     """The shared count of started groups: `tickets/{first:020d}` records of admitted blocks.
 
@@ -130,8 +134,12 @@ class AdmissionLedger:
         max_staleness: int,
         groups_per_step: int,
         worker: str = "",
+        stream_first: int | None = None,
     ) -> tuple[int, int]:
-        """Admit up to `want` groups now: (first ticket, count); count 0 means wait."""
+        """Admit up to `want` groups now: (first ticket, count); count 0 means wait.
+
+        The block's prompts are stream positions `stream_first`.. (default: its tickets), so a
+        block that replaces a voided one generates the very prompts the voided one held."""
         if want < 1:
             raise ValueError(f"want must be >= 1, got {want}")
         while True:
@@ -145,10 +153,40 @@ class AdmissionLedger:
                 "worker": worker,
                 "time": time.time(),
             }
+            if stream_first is not None:
+                body["stream_first"] = stream_first
             if self.queue.store.create_if_absent(
                 f"tickets/{seq_name(started)}", json.dumps(body).encode()
             ):
                 return started, count
+
+    def blocks(self) -> dict[int, dict]:
+        """Every admitted block: first ticket -> its record."""
+        store = self.queue.store
+        names = [n for n in store.list_dir("tickets") if parse_seq(n) is not None]
+        return {int(n): json.loads(store.read_bytes(f"tickets/{n}")) for n in names}
+
+    def voided(self) -> dict[int, dict]:
+        """Blocks given up (their worker died before committing them): first ticket -> record."""
+        store = self.queue.store
+        names = [n for n in store.list_dir(VOID) if parse_seq(n) is not None]
+        return {int(n): json.loads(store.read_bytes(f"{VOID}/{n}")) for n in names}
+
+    def reclaim(self, worker: str, committed: set[int]) -> list[tuple[int, int]]:
+        """Void `worker`'s blocks that never reached the rollout stage (it died holding them)
+        and return their prompts as (stream_first, count) to generate again in new blocks.
+
+        Only the worker's own restart calls this, so no live process still holds the blocks."""
+        voided = self.voided()
+        redo = []
+        for first, body in sorted(self.blocks().items()):
+            if body.get("worker") != worker or first in committed or first in voided:
+                continue
+            self.queue.store.create_if_absent(
+                f"{VOID}/{seq_name(first)}", json.dumps(body).encode()
+            )
+            redo.append((int(body.get("stream_first", first)), int(body["count"])))
+        return redo
 
     def started_by_version(self) -> dict[int, int]:
         """policy version -> groups admitted under it."""

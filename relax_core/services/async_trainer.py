@@ -29,6 +29,7 @@ from relax_core.queue import (
     split_over_stale,
     staleness_histogram,
 )
+from relax_core.queue.admission import VOID
 from relax_core.services.role import RoleContext, set_threads
 from relax_core.services.session import RunState
 from relax_core.services.trainer import train_on_table
@@ -58,6 +59,7 @@ class ReadyPool:
         self.groups: dict[str, tuple[int, int]] = {}  # group id -> (behaviour version, seq)
         self.meta: list[dict[str, Any]] = []  # metrics of entries read since the last step
         self._tickets: dict[str, dict[str, Any]] = {}
+        self._voided: dict[str, dict[str, Any]] = {}
         self._arrived: Counter[int] = Counter()  # behaviour version -> groups seen in ready
         self._seen: set[int] = set()
         self.quarantined = 0
@@ -119,9 +121,14 @@ class ReadyPool:
         for name in store.list_dir("tickets"):
             if name not in self._tickets and name.isdigit():
                 self._tickets[name] = json.loads(store.read_bytes(f"tickets/{name}"))
+        for name in store.list_dir(VOID):
+            if name not in self._voided and name.isdigit():
+                self._voided[name] = json.loads(store.read_bytes(f"{VOID}/{name}"))
         admitted: Counter[int] = Counter()
         for body in self._tickets.values():
             admitted[int(body["policy_version"])] += int(body["count"])
+        for body in self._voided.values():  # their worker died; new blocks hold their prompts
+            admitted[int(body["policy_version"])] -= int(body["count"])
         return [v for v, n in admitted.items() if n > self._arrived.get(v, 0)]
 
     # ---- taking a step batch -----------------------------------------------------------
@@ -224,6 +231,7 @@ class AsyncTrainer:
         self.sender = make_sender(cfg, ctx.queue, specs_of(self.model.named_parameters()))
         self.run_dir = os.path.join(cfg.checkpoint.dir, self.state.run_id)
         self._eval = None
+        self.reforms = 0
 
     # ---- pieces ------------------------------------------------------------------------
     def _take_free_cores(self) -> None:
@@ -275,7 +283,14 @@ class AsyncTrainer:
         r, ctx = self.cfg.rollout, self.ctx
         t0 = time.perf_counter()
         blocked_since: float | None = None
+        next_join_check = t0 + _JOIN_CHECK_S
         while True:
+            if time.perf_counter() >= next_join_check:
+                # An engine that restarted waits for weights before it may admit the groups
+                # this step needs: serve it now, not after the step.
+                next_join_check = time.perf_counter() + _JOIN_CHECK_S
+                if getattr(self.sender, "needs_reform", lambda: False)():
+                    self.publish(self.state.policy_version)
             self.pool.refresh()
             enough = len(self.pool.groups) >= r.groups_per_step
             # A group lost upstream (a quarantined rollout entry) never arrives; after a lease
@@ -325,12 +340,13 @@ class AsyncTrainer:
             metrics["perf/trainer_threads"] = sum(self.threads_used) / len(self.threads_used)
             self.threads_used.clear()
         state.policy_version = v + 1
-        self.sender.push(self.backend.named_weights(), v + 1)
+        self.publish(v + 1)
         self.ctx.status["policy_version"] = v + 1
         t3 = time.perf_counter()
         metrics.update(_batch_metrics(batch))
         metrics.update(_entry_metrics(self.pool.pop_meta()))
         groups = batch.group_by("group_id").aggregate([("behaviour_version_min", "min")])
+        record_trained(self.ctx.queue, v + 1, groups.column("group_id").to_pylist())
         versions = groups.column("behaviour_version_min_min").to_pylist()
         hist = staleness_histogram(v, versions)
         staleness = [v - b for b in versions]
@@ -349,6 +365,7 @@ class AsyncTrainer:
                 "queue/ready_through": float(self.pool.cursor.through),
                 "queue/dropped_stale_groups": float(dropped),
                 "queue/quarantined_entries": float(self.pool.quarantined),
+                "sync/reforms": float(self.reforms),
             }
         )
         state.train_seconds += step_s
@@ -360,6 +377,10 @@ class AsyncTrainer:
 
         self.ctx.status["state"] = "waiting for the engines to join weight sync"
         self.sender.init()
+        if hasattr(self.sender, "push_or_reform"):
+            # Engines may hold other weights than this checkpoint's (this trainer restarted,
+            # or an engine did): everyone starts from the trainer's current version.
+            self.publish(self.state.policy_version)
         return train_until(
             self.cfg,
             self.state,
@@ -370,20 +391,40 @@ class AsyncTrainer:
             self.ctx.checkpoint,
         )
 
+    def publish(self, version: int) -> None:
+        """Push the current weights as `version`; over broadcast, a group that lost a member
+        (or has one waiting to join) is formed again first and the update goes to all."""
+        named = self.backend.named_weights()
+        if not hasattr(self.sender, "push_or_reform"):
+            self.sender.push(named, version)
+            return
+        if self.sender.push_or_reform(named, version):
+            self.reforms += 1
+            log.warning("weight sync group formed again (generation %d)", self.sender.generation)
+
     def close(self) -> None:
         self.sender.destroy()
 
 
+TRAINED = "control/trained"
+_JOIN_CHECK_S = 0.5
+"""How often a trainer waiting for data looks for engines waiting to join weight sync."""
+
+
+def record_trained(queue, version: int, group_ids: list) -> None:
+    """The groups step `version` trained, replaced if a restarted trainer trains that step
+    again: the records of the weights that survive, which the chaos audit reads."""
+    body = json.dumps({"version": version, "groups": sorted(map(str, group_ids))})
+    queue.store.write_replace(f"{TRAINED}/{version:020d}", body.encode())
+
+
 def serve(ctx: RoleContext) -> None:
     """Train to `train.total_steps`, then end the run: engines get STOP through weight sync,
-    every service through `control/stop`. On failure only `control/stop` is written (a
-    receiver may be gone, so no collective is attempted)."""
+    every service through `control/stop`."""
     trainer = AsyncTrainer(ctx)
-    try:
-        final = trainer.run()
-    except BaseException:
-        ctx.queue.stop()
-        raise
+    # A failure does not end the run: the supervisor (Flyte's retries on a cluster) restarts
+    # the trainer from its newest checkpoint, and the other roles wait for it meanwhile.
+    final = trainer.run()
     with open(os.path.join(trainer.run_dir, "final_checkpoint"), "w") as f:
         f.write(final)
     try:

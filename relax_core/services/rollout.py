@@ -7,6 +7,7 @@ colocate controller and the standalone rollout service.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -14,6 +15,8 @@ from relax_core.algorithms.dapo import has_signal, overlong_penalty
 from relax_core.rewards import RewardFn, score_batch
 from relax_core.rollout.engine import RolloutEngine, SamplingParams
 from relax_core.services.prompts import PromptItem
+
+log = logging.getLogger(__name__)
 
 
 def rollout_groups(
@@ -189,6 +192,15 @@ def serve(ctx) -> None:
         load_prompts(d.train_path), tokenizer, d.template, d.system_prompt, cfg.seed, d.shuffle
     )
     ledger = AdmissionLedger(ctx.queue)
+    # Blocks an earlier process of this worker admitted but never committed (it died): void
+    # them and generate their prompts again, so the trainer neither waits for them nor loses them.
+    redo = ledger.reclaim(ctx.name, committed_tickets(ctx.queue))
+    if redo:
+        log.warning(
+            "%s: generating %d groups again that a dead process had admitted",
+            ctx.name,
+            sum(n for _, n in redo),
+        )
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p)
     chunk = s.rollout_batch_groups or r.groups_per_step
     cores = CoreShare.from_env(ctx.name)
@@ -196,8 +208,14 @@ def serve(ctx) -> None:
     try:
         while not ctx.stopped():
             apply_pending()
+            stream_first = redo[0][0] if redo else None
             first, count = ledger.try_admit(
-                chunk, engine.version, r.max_staleness, r.groups_per_step, worker=ctx.name
+                min(chunk, redo[0][1]) if redo else chunk,
+                engine.version,
+                r.max_staleness,
+                r.groups_per_step,
+                worker=ctx.name,
+                stream_first=stream_first,
             )
             if count == 0:
                 if wait_start is None:
@@ -212,13 +230,18 @@ def serve(ctx) -> None:
             if wait_start is not None:
                 waited += time.perf_counter() - wait_start
                 wait_start = None
+            stream = first if stream_first is None else stream_first
+            if redo:
+                redo[0] = (redo[0][0] + count, redo[0][1] - count)
+                if redo[0][1] == 0:
+                    redo.pop(0)
             ctx.status["state"] = f"generating groups {first}..{first + count - 1}"
             busy = cores.busy(s.rollout_threads) if cores else contextlib.nullcontext()
             with busy:
                 rows, metrics = rollout_groups(
                     engine,
                     tokenizer,
-                    prompts.at(first, count),
+                    prompts.at(stream, count),
                     params,
                     r.n_samples_per_prompt,
                     reward_fn,
@@ -233,6 +256,7 @@ def serve(ctx) -> None:
                 {
                     "policy_version": engine.version,
                     "tickets": [first, count],
+                    "stream": [stream, count],
                     "worker": ctx.name,
                     "metrics": metrics,
                 },
@@ -240,6 +264,19 @@ def serve(ctx) -> None:
     finally:
         if joined and joined[0] is None:  # never joined: nothing to leave (a daemon thread)
             receiver.destroy()
+
+
+def committed_tickets(queue) -> set[int]:
+    """First tickets of the blocks committed to the rollout stage."""
+    firsts = set()
+    for seq in queue.committed("rollout"):
+        try:
+            tickets = queue.record("rollout", seq).get("meta", {}).get("tickets")
+        except Exception:  # noqa: BLE001 - an unreadable record is quarantined by its reader
+            continue
+        if tickets:
+            firsts.add(int(tickets[0]))
+    return firsts
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Local async mode: start every role as its own OS process and watch over them.
+"""Local async mode: start every role as its own OS process and keep the run going.
 
 This is what one Flyte task runs in local execution (flytekit runs nodes one after another, so
 parallel role tasks cannot run there) and what `python -m relax_core.services.run` runs for
@@ -6,11 +6,21 @@ parallel role tasks cannot run there) and what `python -m relax_core.services.ru
 
     python -m relax_core.services.<role> --cfg CFG --run RUN_ID --checkpoint DIR [--worker N]
 
+Parts:
+- start: every role with the run's newest checkpoint; logs under `{run_dir}/logs/`.
+- watch: a role that exits with an error, or whose heartbeat (`control/heartbeats/`, beaten by
+  its own process id) is older than `services.heartbeat_timeout_s`, is a failure; a silent one
+  is killed first.
+- recover: a failure is restarted in place (the trainer from its newest checkpoint, rollout
+  re-generating the groups it had admitted but not committed) up to `services.max_role_restarts`
+  times per role; beyond that the whole run restarts from the newest checkpoint, up to
+  `services.max_global_restarts` times; then the run gives up with a report of every failure.
+- account: `{run_dir}/roles.json` holds every process (incarnations included) with its CPU seconds
+  (from wait4), wall time and exit code; `{run_dir}/recovery.json` every failure and what was
+  done about it.
+
 The trainer ends the run (STOP through weight sync, then `control/stop`); every other service
-exits on `control/stop`. A service that exits with an error stops the run: `control/stop` is
-written, the others are terminated, and the error names the role and shows its log's tail.
-The OS's CPU accounting of every child (user + system seconds, from wait4) is written to
-`{run_dir}/roles.json`, with each role's wall time and exit code.
+exits on `control/stop`.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ class RoleProcess:
     role: str
     worker: int
     log_path: str
+    incarnation: int = 0
     pid: int = 0
     exit_code: int | None = None
     cpu_s: float = 0.0
@@ -78,6 +89,10 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+class GaveUp(RuntimeError):
+    """The run failed more often than its restart budget allows."""
+
+
 class Supervisor:
     def __init__(self, cfg: RunConfig, checkpoint: str) -> None:
         self.cfg = cfg
@@ -86,6 +101,14 @@ class Supervisor:
         self.run_dir = os.path.abspath(os.path.join(cfg.checkpoint.dir, self.run_id))
         self.queue = open_queue(cfg.queue, self.run_id)
         self.procs: list[RoleProcess] = []
+        """Every process started, incarnations included (the accounting)."""
+        self.live: dict[str, RoleProcess] = {}
+        """The current process of each role instance."""
+        self.restarts: dict[str, int] = {}
+        self.global_restarts = 0
+        self.events: list[dict] = []
+        self._cfg_path = ""
+        self._env: dict[str, str] = {}
 
     def _prepare(self) -> str:
         """Fresh control state for this launch; returns the config file the roles read."""
@@ -102,17 +125,26 @@ class Supervisor:
             json.dump(config_to_dict(self.cfg), f, sort_keys=True)
         return cfg_path
 
-    def _start(self, role: str, worker: int, cfg_path: str, env: dict[str, str]) -> None:
-        log_path = os.path.join(self.run_dir, "logs", f"{role}-{worker}.log")
-        rp = RoleProcess(role, worker, log_path, started=time.perf_counter())
-        cmd = [sys.executable, "-m", f"relax_core.services.{role}", "--cfg", cfg_path]
-        cmd += ["--run", self.run_id, "--checkpoint", self.checkpoint, "--worker", str(worker)]
+    def _newest_checkpoint(self) -> str:
+        found = ckpt.list_checkpoints(self.run_dir)
+        return found[-1] if found else self.checkpoint
+
+    def _start(self, role: str, worker: int) -> RoleProcess:
+        name = f"{role}-{worker}"
+        incarnation = sum(1 for p in self.procs if p.name == name)
+        log_path = os.path.join(self.run_dir, "logs", f"{name}.log")
+        rp = RoleProcess(role, worker, log_path, incarnation, started=time.perf_counter())
+        cmd = [sys.executable, "-m", f"relax_core.services.{role}", "--cfg", self._cfg_path]
+        cmd += ["--run", self.run_id, "--checkpoint", self._newest_checkpoint()]
+        cmd += ["--worker", str(worker)]
         with open(log_path, "ab") as out:
             # The trainer's progress bar and log go to this console as well as its file.
             stderr = None if role == "trainer" else out
-            rp.proc = subprocess.Popen(cmd, stdout=out, stderr=stderr, env=env)
+            rp.proc = subprocess.Popen(cmd, stdout=out, stderr=stderr, env=self._env)
         rp.pid = rp.proc.pid
         self.procs.append(rp)
+        self.live[name] = rp
+        return rp
 
     def _reap(self, rp: RoleProcess, block: bool = False) -> bool:
         """Collect `rp`'s exit status and CPU time if it has exited."""
@@ -128,18 +160,22 @@ class Supervisor:
         rp.proc.returncode = rp.exit_code  # Popen must not wait for a pid already reaped
         return True
 
+    def _kill(self, rp: RoleProcess) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rp.pid, signal.SIGKILL)
+        self._reap(rp, block=True)
+
     def _terminate(self, grace_s: float) -> None:
         deadline = time.monotonic() + grace_s
-        for rp in self.procs:
+        live = list(self.live.values())
+        for rp in live:
             if not self._reap(rp):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(rp.pid, signal.SIGTERM)
-        for rp in self.procs:
+        for rp in live:
             while not self._reap(rp):
                 if time.monotonic() > deadline:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(rp.pid, signal.SIGKILL)
-                    self._reap(rp, block=True)
+                    self._kill(rp)
                     break
                 time.sleep(0.05)
 
@@ -148,51 +184,129 @@ class Supervisor:
         rows = [{k: getattr(rp, k) for k in keep} for rp in self.procs]
         with open(os.path.join(self.run_dir, "roles.json"), "w") as f:
             json.dump(rows, f, indent=1)
+        with open(os.path.join(self.run_dir, "recovery.json"), "w") as f:
+            json.dump(self.report(), f, indent=1)
+
+    def report(self) -> dict:
+        return {
+            "role_restarts": dict(sorted(self.restarts.items())),
+            "global_restarts": self.global_restarts,
+            "events": self.events,
+        }
 
     def run(self) -> str:
         """Run every role until the trainer finishes; returns the final checkpoint."""
-        cfg_path = self._prepare()
+        self._cfg_path = self._prepare()
         env = dict(os.environ)
         env[CORE_SHARE_ENV] = f"{os.path.join(self.run_dir, 'cores')}:{_cores()}"
         env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         env.setdefault("PYTHONUNBUFFERED", "1")
+        self._env = env
         try:
-            for role, worker in roles_of(self.cfg):
-                self._start(role, worker, cfg_path, env)
-            log.info("async run %s: %s", self.run_id, ", ".join(p.name for p in self.procs))
+            self._start_all()
             self._watch()
         finally:
-            if any(rp.exit_code is None for rp in self.procs):
+            if any(rp.exit_code is None for rp in self.live.values()):
                 self.queue.stop()
                 self._terminate(10.0)
             self._write_accounting()
         with open(os.path.join(self.run_dir, "final_checkpoint")) as f:
             return f.read().strip()
 
+    def _start_all(self) -> None:
+        self.live = {}
+        for role, worker in roles_of(self.cfg):
+            self._start(role, worker)
+        log.info("async run %s: %s", self.run_id, ", ".join(self.live))
+
+    def _silent(self, beats: dict[str, dict], rp: RoleProcess) -> float | None:
+        """Seconds since `rp`'s own last heartbeat, if that is longer than the timeout."""
+        timeout = self.cfg.services.heartbeat_timeout_s
+        age = time.perf_counter() - rp.started
+        if age < timeout:
+            return None
+        beat = beats.get(rp.name)
+        if beat is None or beat.get("info", {}).get("pid") != rp.pid:
+            return age  # never beat as this process
+        silent = time.time() - float(beat["time"])
+        return silent if silent > timeout else None
+
+    def _failures(self) -> list[tuple[RoleProcess, str]]:
+        """Live role processes that failed since the last look, with what happened."""
+        failed = []
+        beats = None
+        for rp in list(self.live.values()):
+            if self._reap(rp):
+                if rp.exit_code != 0:
+                    failed.append((rp, f"exited with code {rp.exit_code}"))
+                continue
+            if beats is None:
+                beats = {f"{b['role']}-{b['worker_id']}": b for b in self.queue.heartbeats()}
+            silent = self._silent(beats, rp)
+            if silent is not None:
+                self._kill(rp)
+                failed.append((rp, f"silent for {silent:.0f} s (no heartbeat); killed"))
+        return failed
+
+    def _recover(self, rp: RoleProcess, what: str) -> None:
+        """Restart `rp` in place, or the whole run, or give up (GaveUp)."""
+        s = self.cfg.services
+        event = {"time": time.time(), "role": rp.name, "pid": rp.pid, "failure": what}
+        self.events.append(event)
+        used = self.restarts.get(rp.name, 0)
+        if used < s.max_role_restarts:
+            self.restarts[rp.name] = used + 1
+            event["action"] = f"restarted in place ({used + 1}/{s.max_role_restarts})"
+            log.warning("%s %s: %s", rp.name, what, event["action"])
+            self._start(rp.role, rp.worker)
+            return
+        if self.global_restarts < s.max_global_restarts:
+            self.global_restarts += 1
+            event["action"] = (
+                f"whole run restarted from {self._newest_checkpoint()} "
+                f"({self.global_restarts}/{s.max_global_restarts})"
+            )
+            log.warning("%s %s: %s", rp.name, what, event["action"])
+            self.queue.stop()
+            self._terminate(10.0)
+            self._cfg_path = self._prepare()
+            self.restarts = {}
+            self._start_all()
+            return
+        event["action"] = "gave up"
+        self.queue.stop()
+        self._terminate(10.0)
+        raise GaveUp(self._give_up_message(rp, what))
+
+    def _give_up_message(self, rp: RoleProcess, what: str) -> str:
+        lines = [
+            f"async run {self.run_id}: gave up after {self.global_restarts} whole-run restart(s): "
+            f"{rp.name} {what} and has no restarts left; failures:"
+        ]
+        lines += [
+            f"  {e['role']} (pid {e['pid']}): {e['failure']} -> {e['action']}" for e in self.events
+        ]
+        if rp.role == "trainer":
+            lines.append("the trainer's output is above")
+        else:
+            lines.append(f"last lines of {rp.log_path}:\n{_tail(rp.log_path)}")
+        return "\n".join(lines)
+
     def _watch(self) -> None:
-        trainer = self.procs[0]
         trainer_done_at: float | None = None
         while True:
-            for rp in self.procs:
-                if not self._reap(rp) or rp.exit_code == 0 and rp is not trainer:
-                    continue
-                if rp.exit_code != 0:
-                    self.queue.stop()
-                    self._terminate(10.0)
-                    where = (
-                        " (its output is above)"
-                        if rp is trainer
-                        else f"; last lines of {rp.log_path}:\n{_tail(rp.log_path)}"
-                    )
-                    raise RuntimeError(
-                        f"async run {self.run_id}: {rp.name} exited with code {rp.exit_code}{where}"
-                    )
+            for rp, what in self._failures():
+                if trainer_done_at is None:
+                    self._recover(rp, what)
+                else:  # the run is over; a service failing on its way out changes nothing
+                    log.warning("%s %s after the trainer finished", rp.name, what)
+            trainer = self.live["trainer-0"]
             if trainer.exit_code == 0 and trainer_done_at is None:
                 trainer_done_at = time.monotonic()
-            if all(rp.exit_code is not None for rp in self.procs):
+            if all(rp.exit_code is not None for rp in self.live.values()):
                 return
             if trainer_done_at is not None and time.monotonic() - trainer_done_at > _GRACE_S:
-                late = [rp.name for rp in self.procs if rp.exit_code is None]
+                late = [rp.name for rp in self.live.values() if rp.exit_code is None]
                 log.warning(
                     "services still running %.0f s after the trainer finished: %s",
                     _GRACE_S,

@@ -3,11 +3,15 @@ the object store), the trainer's MLflow run.
 
 - at max_staleness 0 async is strict on-policy: it trains exactly the weights colocate trains;
 - a trainer that is delayed (SIGSTOP, nothing killed) holds rollout at the staleness bound;
-- all five roles run together, with partial rollouts and object-store weight sync.
+- all five roles run together, with partial rollouts and object-store weight sync;
+- killed roles restart in place (the trainer from its newest checkpoint) and an audit finds no
+  group lost or trained twice; a silent or repeatedly failing role spends the restart budget
+  (in place, then the whole run) and the run gives up with a report.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -175,31 +179,100 @@ def test_all_five_roles_with_partial_rollouts_over_object_store_sync(small_confi
     assert queue.store.list_dir("weights"), "no weights were published to the object store"
 
 
-def test_a_role_that_dies_stops_the_run_with_an_error_naming_it(small_config, workdir):
+def _beats(workdir) -> list[dict]:
+    queue_root = workdir / ".relax" / "queue"
+    beats = []
+    for run_id in os.listdir(queue_root) if queue_root.is_dir() else []:
+        beats += TransferQueue(str(queue_root), run_id).heartbeats()
+    return beats
+
+
+def _trainer_version(beats: list[dict]) -> int:
+    return max([b["info"].get("policy_version", 0) for b in beats if b["role"] == "trainer"] or [0])
+
+
+def test_killed_roles_restart_in_place_and_no_group_is_lost_or_trained_twice(small_config, workdir):
+    from relax_core.services.audit import audit_run
+
     cfg = small_config(
         "k.yaml",
         run_name="k",
         mode="async",
         rollout={"max_staleness": 1},
         algorithm={"proximal": "behaviour"},
-        train={"total_steps": 200, "checkpoint_every": 50},
+        train={"total_steps": 120, "checkpoint_every": 40},
         services=ASYNC["services"],
     )
     proc = _run(cfg)
-    queue_root = workdir / ".relax" / "queue"
-    deadline, victim = time.time() + 300, None
-    while time.time() < deadline and victim is None:
-        for run_id in os.listdir(queue_root) if queue_root.is_dir() else []:
-            for beat in TransferQueue(str(queue_root), run_id).heartbeats():
-                if beat["role"] == "rollout" and beat["info"].get("policy_version", 0) >= 2:
-                    victim = beat["info"]["pid"]
+    # rollout mid-generation, the trainer between checkpoints (it resumes from step 40 and
+    # trains again what it had trained since), then rollout again under the new trainer.
+    plan, killed = [("rollout", 2), ("trainer", 50), ("rollout", 90)], []
+    deadline = time.time() + 400
+    while plan and proc.poll() is None and time.time() < deadline:
+        role, at = plan[0]
+        beats = _beats(workdir)
+        for beat in beats:
+            if beat["role"] == role and _trainer_version(beats) >= at:
+                os.kill(beat["info"]["pid"], signal.SIGKILL)
+                killed.append(role)
+                plan.pop(0)
+                break
+        time.sleep(0.02)
+    assert killed == ["rollout", "trainer", "rollout"], killed
+    _finish(proc)
+
+    ckpt = _final(workdir, "k")
+    state = read_state(ckpt)
+    assert state["policy_version"] == 120
+    with open(os.path.join(os.path.dirname(ckpt), "recovery.json")) as f:
+        recovery = json.load(f)
+    assert recovery["role_restarts"] == {"rollout-0": 2, "trainer-0": 1}
+    assert recovery["global_restarts"] == 0
+    assert [e["failure"] for e in recovery["events"]] == ["exited with code -9"] * 3
+    incarnations = [(r["role"], r["incarnation"]) for r in _roles(os.path.dirname(ckpt))]
+    assert ("rollout", 2) in incarnations and ("trainer", 1) in incarnations
+    # Every group rollout committed was trained exactly once or is still queued at the end.
+    queue = TransferQueue(".relax/queue", state["run_id"])
+    audit = audit_run(queue, state)
+    assert audit["lost_groups"] == 0 and audit["duplicated_groups"] == 0, audit
+    assert audit["trained_groups"] == 120 * 4 and audit["trained_but_never_generated"] == 0
+
+
+def test_a_silent_or_failing_role_is_recovered_until_the_budget_is_spent(small_config, workdir):
+    cfg = small_config(
+        "g.yaml",
+        run_name="g",
+        mode="async",
+        rollout={"max_staleness": 1},
+        algorithm={"proximal": "behaviour"},
+        train={"total_steps": 400, "checkpoint_every": 50},
+        services={
+            **ASYNC["services"],
+            "heartbeat_timeout_s": 3.0,
+            "max_role_restarts": 1,
+            "max_global_restarts": 1,
+        },
+    )
+    proc = _run(cfg)
+    # rollout-0 stopped (silent: restarted in place), then killed (whole run restarted), then
+    # killed again: the budget is spent, the run gives up.
+    done: set[int] = set()
+    deadline = time.time() + 300
+    while len(done) < 3 and proc.poll() is None and time.time() < deadline:
+        for beat in _beats(workdir):
+            pid = beat["info"].get("pid")
+            if beat["role"] != "rollout" or pid in done or beat["info"].get("state") == "stopped":
+                continue
+            if beat["info"].get("policy_version", 0) < 1:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP if not done else signal.SIGKILL)
+            done.add(pid)
+            break
         time.sleep(0.05)
-    assert victim is not None, "rollout never received version 2"
-    os.kill(victim, signal.SIGKILL)
-    out, _ = proc.communicate(timeout=120)  # no hang: the other roles are stopped too
-    assert proc.returncode != 0
-    assert "rollout-0 exited with code -9" in out
-    run_dir = os.path.dirname(_final(workdir, "k"))
-    roles = {r["role"]: r for r in _roles(run_dir)}
-    assert all(r["exit_code"] is not None for r in roles.values())
-    assert TransferQueue(str(queue_root), read_state(_final(workdir, "k"))["run_id"]).stopped()
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode != 0, out
+    assert "gave up after 1 whole-run restart(s)" in out, out
+    assert "rollout-0 (pid" in out and "silent for" in out and "no heartbeat" in out
+    assert "-> restarted in place (1/1)" in out and "-> whole run restarted from" in out
+    assert "last lines of" in out  # the failing role's log tail
