@@ -264,6 +264,9 @@ class ServicesConfig:
     from its newest checkpoint) before the whole run is restarted from that checkpoint."""
     max_global_restarts: int = 2
     """Local supervisor: whole-run restarts before the run gives up with a report."""
+    notify: str = ""
+    """Apprise URLs (comma-separated) told about restarts, giving up and the run's end;
+    empty = none."""
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import http.server
+import json
 import os
 import tempfile
+import threading
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -110,3 +113,24 @@ def moto_s3(tmp_path_factory):
 def seaweed_s3(tmp_path_factory):
     """A SeaweedFS (`weed mini`) S3 server shared by the module, with the bucket `queue-bucket`."""
     yield from _s3_server(s3servers.start_seaweedfs, str(tmp_path_factory.mktemp("seaweed")))
+
+
+@pytest.fixture
+def hook():
+    """A JSON webhook on 127.0.0.1 recording what it receives; yields (url, received)."""
+    received: list[dict] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"json://127.0.0.1:{server.server_port}/hook", received
+    server.shutdown()
+    server.server_close()

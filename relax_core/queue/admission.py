@@ -4,7 +4,8 @@ Pure functions (no I/O) shared by rollout workers and the trainer; `AdmissionLed
 one shared count they need (groups started, by policy version) on the queue's storage.
 
 With `k = max_staleness` and `G = groups_per_step`:
-- rollout may start a group under policy version v only while `started < (v + k + 1) * G`;
+- rollout may start a group under policy version v only while `started < (v + k + 1) * G`
+  (`started` leaves out blocks voided by their worker's restart, see `AdmissionLedger.reclaim`);
 - the trainer fills a step batch oldest behaviour version first and does not take a group while
   a group of an older version is still being generated (`select_step_groups`).
 Together these bound the staleness of every trained group by k: the groups trained in steps
@@ -115,6 +116,7 @@ class AdmissionLedger:
 
     def __init__(self, queue: TransferQueue) -> None:
         self.queue = queue
+        self._void_counts: dict[str, int] = {}
 
     def _last(self) -> tuple[int, dict] | None:
         names = [n for n in self.queue.store.list_dir("tickets") if parse_seq(n) is not None]
@@ -144,7 +146,10 @@ class AdmissionLedger:
             raise ValueError(f"want must be >= 1, got {want}")
         while True:
             started = self.started()
-            count = min(want, admissible(started, policy_version, max_staleness, groups_per_step))
+            # Voided blocks were never generated; their prompts went into new blocks, which
+            # count instead (else each restart would shrink the bound for good).
+            live = started - self.voided_groups()
+            count = min(want, admissible(live, policy_version, max_staleness, groups_per_step))
             if count == 0:
                 return started, 0
             body = {
@@ -165,6 +170,15 @@ class AdmissionLedger:
         store = self.queue.store
         names = [n for n in store.list_dir("tickets") if parse_seq(n) is not None]
         return {int(n): json.loads(store.read_bytes(f"tickets/{n}")) for n in names}
+
+    def voided_groups(self) -> int:
+        """Groups in voided blocks (one listing; the records are read once and remembered)."""
+        store = self.queue.store
+        for name in store.list_dir(VOID):
+            if name not in self._void_counts and parse_seq(name) is not None:
+                body = json.loads(store.read_bytes(f"{VOID}/{name}"))
+                self._void_counts[name] = int(body["count"])
+        return sum(self._void_counts.values())
 
     def voided(self) -> dict[int, dict]:
         """Blocks given up (their worker died before committing them): first ticket -> record."""

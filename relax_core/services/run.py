@@ -68,6 +68,9 @@ def preflight(cfg: RunConfig) -> None:
             f"algorithm.teacher: {teacher} is not a model directory (no config.json); give a "
             "checkpoint directory such as .relax/checkpoints/<run id>/step_000200"
         )
+    from relax_core.services.notify import check_notify
+
+    problems += check_notify(cfg.services.notify)
     if cfg.checkpoint.resume_from and not os.path.isfile(
         os.path.join(cfg.checkpoint.resume_from, ckpt.STATE_FILE)
     ):

@@ -9,8 +9,8 @@ parallel role tasks cannot run there) and what `python -m relax_core.services.ru
 Parts:
 - start: every role with the run's newest checkpoint; logs under `{run_dir}/logs/`.
 - watch: a role that exits with an error, or whose heartbeat (`control/heartbeats/`, beaten by
-  its own process id) is older than `services.heartbeat_timeout_s`, is a failure; a silent one
-  is killed first.
+  its own process id) is older than `services.heartbeat_timeout_s` (before its first beat:
+  `services.start_timeout_s`), is a failure; a silent one is killed first.
 - recover: a failure is restarted in place (the trainer from its newest checkpoint, rollout
   re-generating the groups it had admitted but not committed) up to `services.max_role_restarts`
   times per role; beyond that the whole run restarts from the newest checkpoint, up to
@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, fields
 from relax_core.config import RunConfig, config_to_dict
 from relax_core.queue import open_queue
 from relax_core.services.cores import ENV as CORE_SHARE_ENV
+from relax_core.services.notify import Notifier
 from relax_core.services.role import stage_chain
 from relax_core.train import checkpoint as ckpt
 
@@ -109,6 +110,7 @@ class Supervisor:
         self.events: list[dict] = []
         self._cfg_path = ""
         self._env: dict[str, str] = {}
+        self.notifier = Notifier(cfg.services.notify, self.run_id)
 
     def _prepare(self) -> str:
         """Fresh control state for this launch; returns the config file the roles read."""
@@ -205,6 +207,13 @@ class Supervisor:
         try:
             self._start_all()
             self._watch()
+            restarts = sum(e["action"].startswith("restarted in place") for e in self.events)
+            self.notifier.send(
+                "run finished",
+                f"trained to step {self.cfg.train.total_steps}; {restarts} in-place and "
+                f"{self.global_restarts} whole-run restart(s) on the way",
+                "success",
+            )
         finally:
             if any(rp.exit_code is None for rp in self.live.values()):
                 self.queue.stop()
@@ -223,11 +232,11 @@ class Supervisor:
         """Seconds since `rp`'s own last heartbeat, if that is longer than the timeout."""
         timeout = self.cfg.services.heartbeat_timeout_s
         age = time.perf_counter() - rp.started
-        if age < timeout:
-            return None
         beat = beats.get(rp.name)
         if beat is None or beat.get("info", {}).get("pid") != rp.pid:
-            return age  # never beat as this process
+            # Not beating yet: still importing and loading, given as long as joining takes.
+            grace = max(timeout, self.cfg.services.start_timeout_s)
+            return age if age > grace else None
         silent = time.time() - float(beat["time"])
         return silent if silent > timeout else None
 
@@ -258,6 +267,9 @@ class Supervisor:
             self.restarts[rp.name] = used + 1
             event["action"] = f"restarted in place ({used + 1}/{s.max_role_restarts})"
             log.warning("%s %s: %s", rp.name, what, event["action"])
+            self.notifier.send(
+                f"{rp.name} restarted", f"{rp.name} {what}; {event['action']}", "warning"
+            )
             self._start(rp.role, rp.worker)
             return
         if self.global_restarts < s.max_global_restarts:
@@ -267,6 +279,7 @@ class Supervisor:
                 f"({self.global_restarts}/{s.max_global_restarts})"
             )
             log.warning("%s %s: %s", rp.name, what, event["action"])
+            self.notifier.send("run restarted", f"{rp.name} {what}; {event['action']}", "warning")
             self.queue.stop()
             self._terminate(10.0)
             self._cfg_path = self._prepare()
@@ -276,7 +289,9 @@ class Supervisor:
         event["action"] = "gave up"
         self.queue.stop()
         self._terminate(10.0)
-        raise GaveUp(self._give_up_message(rp, what))
+        message = self._give_up_message(rp, what)
+        self.notifier.send("run gave up", message, "failure")
+        raise GaveUp(message)
 
     def _give_up_message(self, rp: RoleProcess, what: str) -> str:
         lines = [

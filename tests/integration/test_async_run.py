@@ -238,7 +238,10 @@ def test_killed_roles_restart_in_place_and_no_group_is_lost_or_trained_twice(sma
     assert audit["trained_groups"] == 120 * 4 and audit["trained_but_never_generated"] == 0
 
 
-def test_a_silent_or_failing_role_is_recovered_until_the_budget_is_spent(small_config, workdir):
+def test_a_silent_or_failing_role_is_recovered_until_the_budget_is_spent(
+    small_config, workdir, hook
+):
+    url, notes = hook
     cfg = small_config(
         "g.yaml",
         run_name="g",
@@ -251,14 +254,16 @@ def test_a_silent_or_failing_role_is_recovered_until_the_budget_is_spent(small_c
             "heartbeat_timeout_s": 3.0,
             "max_role_restarts": 1,
             "max_global_restarts": 1,
+            "notify": url,
         },
     )
     proc = _run(cfg)
-    # rollout-0 stopped (silent: restarted in place), then killed (whole run restarted), then
-    # killed again: the budget is spent, the run gives up.
+    # rollout-0 stopped (silent: restarted in place), killed (its budget spent: the whole run
+    # restarts, with a fresh budget per role), killed (in place again), killed: nothing left,
+    # the run gives up.
     done: set[int] = set()
     deadline = time.time() + 300
-    while len(done) < 3 and proc.poll() is None and time.time() < deadline:
+    while len(done) < 4 and proc.poll() is None and time.time() < deadline:
         for beat in _beats(workdir):
             pid = beat["info"].get("pid")
             if beat["role"] != "rollout" or pid in done or beat["info"].get("state") == "stopped":
@@ -276,3 +281,11 @@ def test_a_silent_or_failing_role_is_recovered_until_the_budget_is_spent(small_c
     assert "rollout-0 (pid" in out and "silent for" in out and "no heartbeat" in out
     assert "-> restarted in place (1/1)" in out and "-> whole run restarted from" in out
     assert "last lines of" in out  # the failing role's log tail
+    titles = [n["title"].split("] ", 1)[1] for n in notes]
+    assert titles == [
+        "rollout-0 restarted",
+        "run restarted",
+        "rollout-0 restarted",
+        "run gave up",
+    ], titles
+    assert notes[-1]["type"] == "failure" and "rollout-0" in notes[-1]["message"]

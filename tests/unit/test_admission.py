@@ -148,3 +148,23 @@ def test_ledger_never_admits_past_the_limit_under_concurrent_workers(tmp_path) -
     assert ledger.started() == 12 and ledger.started_by_version() == {1: 12}
     assert ledger.try_admit(1, 1, 1, 4) == (12, 0)
     assert ledger.try_admit(5, 2, 1, 4)[1] == 4  # the next version opens G more slots
+
+
+def test_a_restarted_worker_voids_its_uncommitted_blocks_and_regenerates_their_prompts(
+    tmp_path,
+) -> None:
+    ledger = AdmissionLedger(TransferQueue(str(tmp_path), "run"))
+    # v0, k=1, G=4: 8 groups may start. w0 takes 0..2 and 3..5, w1 takes 6..7.
+    assert ledger.try_admit(3, 0, 1, 4, worker="w0") == (0, 3)
+    assert ledger.try_admit(3, 0, 1, 4, worker="w0") == (3, 3)
+    assert ledger.try_admit(3, 0, 1, 4, worker="w1") == (6, 2)
+    assert ledger.try_admit(1, 0, 1, 4, worker="w1") == (8, 0)  # at the bound
+    # w0 died having committed only its first block: the second is voided, its prompts returned.
+    assert ledger.reclaim("w0", committed={0}) == [(3, 3)]
+    assert list(ledger.voided()) == [3]
+    assert ledger.reclaim("w0", committed={0}) == []  # voided once, not again
+    # The voided groups no longer count against the bound; the new block carries their prompts.
+    first, count = ledger.try_admit(3, 0, 1, 4, worker="w0", stream_first=3)
+    assert (first, count) == (8, 3)
+    assert ledger.blocks()[8]["stream_first"] == 3
+    assert ledger.try_admit(1, 0, 1, 4, worker="w0") == (11, 0)  # 8 live groups: the bound again
