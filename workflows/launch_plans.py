@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 from flytekit import CronSchedule, LaunchPlan
+from flytekit.models.common import RawOutputDataConfig
 
 from relax_core.config import load_config, replace
 from workflows.train import train
@@ -22,6 +23,9 @@ from workflows.train import train
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NIGHTLY_CRON = "0 2 * * *"
 NIGHTLY_MODEL = "relax-cpu-default"
+RAW_DATA_PREFIX = os.environ.get("RELAX_RAW_DATA_PREFIX", "s3://my-flyte-bucket/relax/raw")
+"""Where the executions of the launch plan keep Flyte's offloaded data (the bucket of
+flyte.config); set RELAX_RAW_DATA_PREFIX when registering to use another."""
 
 
 def nightly_config():
@@ -41,4 +45,5 @@ nightly_grpo = LaunchPlan.get_or_create(
     name="nightly_grpo",
     default_inputs={"cfg": nightly_config()},
     schedule=CronSchedule(schedule=NIGHTLY_CRON),
+    raw_output_data_config=RawOutputDataConfig(output_location_prefix=RAW_DATA_PREFIX),
 )

@@ -165,6 +165,7 @@ def test_nightly_launch_plan_schedule_and_inputs(settings):
     lp = get_serializable(OrderedDict(), settings, nightly_grpo)
     assert lp.spec.entity_metadata.schedule.cron_schedule.schedule == NIGHTLY_CRON == "0 2 * * *"
     assert lp.spec.workflow_id.name == "workflows.train.train"
+    assert lp.spec.raw_output_data_config.output_location_prefix == "s3://my-flyte-bucket/relax/raw"
     cfg = lp.spec.default_inputs.parameters["cfg"].default.scalar.binary
     assert cfg.tag == "msgpack"
     values = msgpack.unpackb(cfg.value)
