@@ -264,6 +264,9 @@ class ServicesConfig:
     from its newest checkpoint) before the whole run is restarted from that checkpoint."""
     max_global_restarts: int = 2
     """Local supervisor: whole-run restarts before the run gives up with a report."""
+    restart_window_s: float = 1800.0
+    """Local supervisor: max_role_restarts counts a role's failures within this many seconds,
+    so a long run is not given up over failures spread across days."""
     notify: str = ""
     """Apprise URLs (comma-separated) told about restarts, giving up and the run's end;
     empty = none."""

@@ -126,7 +126,13 @@ def _check_services(e: list[str], cfg: RunConfig) -> None:
     _positive(e, "services.bucket_mb", s.bucket_mb)
     _positive(e, "services.rollout_threads", s.rollout_threads)
     _positive(e, "services.trainer_threads", s.trainer_threads, allow_zero=True)
-    for name in ("poll_s", "heartbeat_s", "start_timeout_s", "heartbeat_timeout_s"):
+    for name in (
+        "poll_s",
+        "heartbeat_s",
+        "start_timeout_s",
+        "heartbeat_timeout_s",
+        "restart_window_s",
+    ):
         _positive(e, f"services.{name}", getattr(s, name))
     _positive(e, "services.max_role_restarts", s.max_role_restarts, allow_zero=True)
     _positive(e, "services.max_global_restarts", s.max_global_restarts, allow_zero=True)

@@ -13,8 +13,9 @@ Parts:
   `services.start_timeout_s`), is a failure; a silent one is killed first.
 - recover: a failure is restarted in place (the trainer from its newest checkpoint, rollout
   re-generating the groups it had admitted but not committed) up to `services.max_role_restarts`
-  times per role; beyond that the whole run restarts from the newest checkpoint, up to
-  `services.max_global_restarts` times; then the run gives up with a report of every failure.
+  times per role within `services.restart_window_s`; beyond that the whole run restarts from
+  the newest checkpoint, up to `services.max_global_restarts` times; then the run gives up with
+  a report of every failure.
 - account: `{run_dir}/roles.json` holds every process (incarnations included) with its CPU seconds
   (from wait4), wall time and exit code; `{run_dir}/recovery.json` every failure and what was
   done about it.
@@ -107,6 +108,8 @@ class Supervisor:
         """The current process of each role instance."""
         self.restarts: dict[str, int] = {}
         self.global_restarts = 0
+        self._recent: dict[str, list[float]] = {}
+        """Monotonic times of each role's in-place restarts within the restart window."""
         self.events: list[dict] = []
         self._cfg_path = ""
         self._env: dict[str, str] = {}
@@ -262,9 +265,12 @@ class Supervisor:
         s = self.cfg.services
         event = {"time": time.time(), "role": rp.name, "pid": rp.pid, "failure": what}
         self.events.append(event)
-        used = self.restarts.get(rp.name, 0)
+        now = time.monotonic()
+        recent = [t for t in self._recent.get(rp.name, []) if now - t < s.restart_window_s]
+        used = len(recent)
         if used < s.max_role_restarts:
-            self.restarts[rp.name] = used + 1
+            self._recent[rp.name] = [*recent, now]
+            self.restarts[rp.name] = self.restarts.get(rp.name, 0) + 1
             event["action"] = f"restarted in place ({used + 1}/{s.max_role_restarts})"
             log.warning("%s %s: %s", rp.name, what, event["action"])
             self.notifier.send(
@@ -283,7 +289,7 @@ class Supervisor:
             self.queue.stop()
             self._terminate(10.0)
             self._cfg_path = self._prepare()
-            self.restarts = {}
+            self._recent = {}
             self._start_all()
             return
         event["action"] = "gave up"
