@@ -23,6 +23,9 @@ from mlflow.tracking import MlflowClient
 
 from relax_core.config_checks import MODEL_URI
 
+# A progress bar per artifact download would cut through the run's own progress bar.
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
 POLICY_ARTIFACT = "policy"
 _SKIP_FILES = {"optimizer.pt"}
 _HERE = os.path.dirname(os.path.abspath(__file__))
