@@ -189,10 +189,21 @@ def download_policy(tracking_uri: str, uri: str, cache_dir: str) -> str:
         # against the process-wide registry URI, whatever tracking URI is passed.
         client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
         source = client.get_model_version_download_uri(pinned.name, str(pinned.version))
-        download_artifacts(artifact_uri=source, dst_path=staging, tracking_uri=tracking_uri)
-        if not os.path.isfile(os.path.join(staging, "artifacts", POLICY_ARTIFACT, "config.json")):
+        os.makedirs(staging)
+        try:
+            download_artifacts(
+                artifact_uri=f"{source.rstrip('/')}/artifacts/{POLICY_ARTIFACT}",
+                dst_path=staging,
+                tracking_uri=tracking_uri,
+            )
+        except Exception as exc:  # noqa: BLE001 - named below, whatever the store raised
             raise ValueError(
-                f"{pinned.uri} holds no '{POLICY_ARTIFACT}' artifact with a config.json; it was not "
+                f"{pinned.uri} holds no '{POLICY_ARTIFACT}' artifact ({exc}); it was not "
+                "registered by a Relax run"
+            ) from exc
+        if not os.path.isfile(os.path.join(staging, POLICY_ARTIFACT, "config.json")):
+            raise ValueError(
+                f"{pinned.uri}: its '{POLICY_ARTIFACT}' artifact has no config.json; it was not "
                 "registered by a Relax run"
             )
         if os.path.isdir(target):
