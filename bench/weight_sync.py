@@ -92,7 +92,7 @@ def receive(args: argparse.Namespace) -> None:
     nbytes = sum(s.nbytes for s in specs)
     store = ObjectStore(args.root, durable=False)
     for mib in args.buckets:
-        receiver = BroadcastReceiver(store, f"bench{mib}", 1, specs, bucket_bytes=mib * MiB)
+        receiver = BroadcastReceiver(store, f"bench{mib}", "r1", specs, bucket_bytes=mib * MiB)
         receiver.init()
         raw_group = dist.new_group([0, 1], backend="gloo")
         receiver.start()
@@ -126,7 +126,7 @@ def _timed(fn, group) -> float:
 
 
 def broadcast_session(args, store, specs, tensors, mib: int) -> dict[str, list[float]]:
-    sender = BroadcastSender(store, f"bench{mib}", 2, specs, bucket_bytes=mib * MiB)
+    sender = BroadcastSender(store, f"bench{mib}", ["r1"], specs, bucket_bytes=mib * MiB)
     sender.init()
     raw_group = dist.new_group([0, 1], backend="gloo")
     flat = torch.cat([t.reshape(-1) for _, t in tensors])

@@ -1,8 +1,9 @@
 """Weight sync between the async trainer and the processes that hold policy copies.
 
-The trainer is rank 0 of the broadcast group; rollout worker i is rank 1 + i; the actor_fwd
-role (when on) comes last. With the object-store transport there are no ranks: every receiver
-polls `weights/`.
+The trainer is rank 0 of the broadcast group; its members are named `{role}-{worker}`: actor_fwd
+(when on) first, then the rollout engines of the pool that are not draining, in worker order
+(`engines.weight_members`, read again before every update, so the group follows the elastic
+pool). With the object-store transport there are no members: every receiver polls `weights/`.
 """
 
 from __future__ import annotations
@@ -15,16 +16,13 @@ from relax_core.queue import TransferQueue
 GROUP = "weights"
 
 
-def world_size(cfg: RunConfig) -> int:
-    return 1 + cfg.services.rollout_workers + (1 if cfg.services.actor_fwd else 0)
+RECEIVERS = ("rollout", "actor_fwd")
 
 
-def rank_of(cfg: RunConfig, role: str, worker: int) -> int:
-    if role == "rollout":
-        return 1 + worker
-    if role == "actor_fwd":
-        return 1 + cfg.services.rollout_workers
-    raise ValueError(f"role {role!r} receives no weights")
+def member_name(role: str, worker: int) -> str:
+    if role not in RECEIVERS:
+        raise ValueError(f"role {role!r} receives no weights (receivers: {RECEIVERS})")
+    return f"{role}-{worker}"
 
 
 def _backend(cfg: RunConfig) -> str:
@@ -50,10 +48,12 @@ def make_sender(cfg: RunConfig, queue: TransferQueue, specs: list[Any]):
         import socket
 
         host = socket.gethostbyname(socket.gethostname())
+    from relax_core.services.engines import weight_members
+
     return BroadcastSender(
         queue.store,
         GROUP,
-        world_size(cfg),
+        lambda: weight_members(cfg, queue),
         specs,
         bucket_bytes=s.bucket_mb << 20,
         backend=_backend(cfg),
@@ -73,7 +73,7 @@ def make_receiver(cfg: RunConfig, queue: TransferQueue, specs: list[Any], role: 
     return BroadcastReceiver(
         queue.store,
         GROUP,
-        rank_of(cfg, role, worker),
+        member_name(role, worker),
         specs,
         bucket_bytes=s.bucket_mb << 20,
         timeout_s=s.start_timeout_s,

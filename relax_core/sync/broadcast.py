@@ -2,14 +2,19 @@
 
 Parts:
 - rendezvous: the sender opens a TCPStore on a free port of `host` and publishes its address in
-  `control/rendezvous/{group}` on the run's object store (state "forming"); receivers poll that
-  record and join. All ranks then exchange a layout check (fingerprint, tensor count, bucket
+  `control/rendezvous/{group}` on the run's object store (state "forming") with the members of
+  this generation by name and rank; receivers poll that record and join at their rank. All ranks then exchange a layout check (fingerprint, tensor count, bucket
   size), so a mismatched receiver fails init on both sides with a message instead of corrupting
   weights; then the record says "formed".
+- membership: the sender's `members` is a list of receiver names or a function returning the
+  wanted ones (an elastic rollout pool). The first generation waits for all of them; a later one
+  takes the wanted members that were in the last one or wait to join now, so a member still
+  starting never stalls the trainer: it joins the next generation, formed as soon as it waits.
 - recovery: with gloo, a member that dies fails every later op of every other member. The sender
   then `reform`s: a new generation (new store, new nonce) that the surviving receivers rejoin and
   a restarted receiver joins; a restarted sender forms one the same way. Receivers join only a
-  record that is "forming" and not the generation they already left.
+  record that is "forming", names them, and is not the generation they already left. A member
+  no longer wanted (drained) or a wanted one waiting to join makes `needs_reform` true.
 - wire format: every message starts with an int64 header [op, version, n_buckets]. An update is
   UPDATE header (`pause`), one broadcast per bucket (`send`), END header (`resume`); STOP ends
   the receivers' loop (`destroy`).
@@ -29,8 +34,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import re
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -70,10 +77,25 @@ def rendezvous_path(group: str) -> str:
     return f"control/rendezvous/{group}"
 
 
-def waiting_path(group: str, rank: int | None = None) -> str:
-    """Where a receiver that waits for a group to join says so (`r{rank}`: its wait's start)."""
+_MEMBER = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+Members = Sequence[str] | Callable[[], Sequence[str]]
+"""Receiver names: fixed, or a function returning the ones wanted now."""
+
+
+def check_member(name: str) -> str:
+    if not isinstance(name, str) or not _MEMBER.fullmatch(name):
+        raise ValueError(
+            f"weight sync member names are 1-128 letters, digits, '.', '_' or '-' (not "
+            f"starting with a punctuation mark), got {name!r}"
+        )
+    return name
+
+
+def waiting_path(group: str, member: str | None = None) -> str:
+    """Where a receiver that waits for a group to join says so (`{member}`: its wait's start)."""
     base = f"{rendezvous_path(group)}.waiting"
-    return base if rank is None else f"{base}/r{rank}"
+    return base if member is None else f"{base}/{check_member(member)}"
 
 
 def _device_for(backend: str) -> torch.device:
@@ -112,27 +134,30 @@ def _describe_row(row: list[int]) -> str:
 
 
 class BroadcastSender:
-    """Rank 0 of the group: pushes the trainer's named parameters to `world_size - 1` receivers."""
+    """Rank 0 of the group: pushes the trainer's named parameters to its member receivers.
+
+    `members` names the receivers (ranks 1.. in that order), or is a function returning the
+    names wanted now; the group then follows it generation by generation (see the module doc).
+    """
 
     def __init__(
         self,
         store: ObjectStore,
         group: str,
-        world_size: int,
+        members: Members,
         specs: list[TensorSpec],
         bucket_bytes: int = 64 << 20,
         backend: str = "gloo",
         host: str = "127.0.0.1",
         timeout_s: float = 300.0,
     ) -> None:
-        if world_size < 2:
-            raise ValueError(
-                f"world_size counts the sender and its receivers: >= 2, got {world_size}"
-            )
         self.store = store
         self.group = group
         self.path = rendezvous_path(group)
-        self.world_size = world_size
+        self._wanted = members if callable(members) else (lambda fixed=tuple(members): fixed)
+        self.wanted()  # a bad name or an empty set fails here, not at the first update
+        self.members: list[str] = []
+        """The receivers of the current generation, rank 1 first."""
         self.specs = list(specs)
         self.bucket_bytes = bucket_bytes
         self.buckets = plan_buckets(self.specs, bucket_bytes)
@@ -150,11 +175,44 @@ class BroadcastSender:
         self.generation = 0
         self._formed_at = float("inf")
 
+    @property
+    def world_size(self) -> int:
+        return 1 + len(self.members)
+
+    def wanted(self) -> list[str]:
+        """The receivers wanted now, checked."""
+        names = [check_member(n) for n in self._wanted()]
+        if not names:
+            raise ValueError(f"weight sync group {self.group!r} has no receivers to send to")
+        if len(set(names)) != len(names):
+            raise ValueError(f"weight sync group {self.group!r}: member names repeat: {names}")
+        return names
+
+    def waiting(self) -> dict[str, float]:
+        """Receivers waiting to join a group now: name -> when their wait began."""
+        prefix = waiting_path(self.group)
+        found = {}
+        for name in self.store.list_dir(prefix):
+            with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
+                found[name] = float(json.loads(self.store.read_bytes(f"{prefix}/{name}"))["since"])
+        return found
+
+    def _next_members(self) -> list[str]:
+        wanted = self.wanted()
+        if self.generation == 0 or not self.members:
+            return wanted  # a (re)started sender waits for every member
+        # Later generations take who was there and who waits now; a member still starting
+        # joins the next one (formed when it waits) instead of stalling this one.
+        waiting = self.waiting()
+        chosen = [n for n in wanted if n in self.members or n in waiting]
+        return chosen or wanted
+
     # ------------------------------------------------------------------ lifecycle
     def init(self) -> None:
         if self._state != "new":
             raise RuntimeError(f"weight sync group {self.group!r}: init() was already called")
         timeout = timedelta(seconds=self.timeout_s)
+        self.members = self._next_members()
         tcp = dist.TCPStore(
             self.host, 0, self.world_size, is_master=True, timeout=timeout, wait_for_workers=False
         )
@@ -163,6 +221,7 @@ class BroadcastSender:
             "addr": self.host,
             "port": tcp.port,
             "world_size": self.world_size,
+            "members": {name: rank for rank, name in enumerate(self.members, start=1)},
             "backend": self.backend,
             "fingerprint": self.fingerprint,
             "bucket_bytes": self.bucket_bytes,
@@ -180,8 +239,8 @@ class BroadcastSender:
         except Exception as err:
             self._forget_record()
             raise TimeoutError(
-                f"weight sync group {self.group!r}: not all of its {self.world_size - 1} receiver(s) "
-                f"joined within {self.timeout_s:.0f}s (rendezvous at {self.store.url(self.path)}; "
+                f"weight sync group {self.group!r}: not all of its receivers "
+                f"{', '.join(self.members)} joined within {self.timeout_s:.0f}s (rendezvous at {self.store.url(self.path)}; "
                 f"{type(err).__name__}: {err})"
             ) from err
         self._ctrl, self._ctrl_device = _control_group(self.backend, timeout)
@@ -193,9 +252,10 @@ class BroadcastSender:
             dist.destroy_process_group()
             self._forget_record()
             self._state = "destroyed"
+            names = [self.members[rank - 1] for rank in bad]
             raise LayoutMismatch(
-                f"weight sync group {self.group!r}: receiver rank(s) {bad} hold another weight "
-                f"layout than the sender (sender: {_describe_row(rows[0])}; rank {bad[0]}: "
+                f"weight sync group {self.group!r}: receiver(s) {names} hold another weight "
+                f"layout than the sender (sender: {_describe_row(rows[0])}; {names[0]}: "
                 f"{_describe_row(rows[bad[0]])}); every receiver must build the trainer's "
                 "architecture and use its bucket_bytes"
             )
@@ -205,14 +265,15 @@ class BroadcastSender:
         self._state = "idle"
 
     def needs_reform(self) -> bool:
-        """Whether a receiver began waiting for a group after this one formed (it broke, or it
-        restarted), so the next update must go to a new generation."""
-        prefix = waiting_path(self.group)
-        for name in self.store.list_dir(prefix):
-            with contextlib.suppress(FileNotFoundError, ValueError):
-                since = float(json.loads(self.store.read_bytes(f"{prefix}/{name}"))["since"])
-                if since > self._formed_at:
-                    return True
+        """Whether the next update must go to a new generation: a member is no longer wanted
+        (drained), a wanted receiver outside the group waits to join (a new engine), or a
+        member began waiting after this generation formed (it broke, or it restarted)."""
+        wanted = set(self.wanted())
+        if any(name not in wanted for name in self.members):
+            return True
+        for name, since in self.waiting().items():
+            if name in wanted and (name not in self.members or since > self._formed_at):
+                return True
         return False
 
     def push_or_reform(self, named_tensors: NamedTensors, version: int) -> bool:

@@ -33,6 +33,7 @@ from relax_core.sync.broadcast import (
     _describe_row,
     _device_for,
     _layout_check,
+    check_member,
     rendezvous_path,
     waiting_path,
 )
@@ -49,7 +50,10 @@ from relax_core.sync.buckets import (
 
 
 class BroadcastReceiver:
-    """One rank (1..world_size-1) of the group; stages updates in a thread for `take()`.
+    """The member `member` of the group; stages updates in a thread for `take()`.
+
+    Its rank is the one the sender's record gives that name, and may change from one generation
+    to the next (members come and go).
 
     `timeout_s` bounds finding the rendezvous record and joining the group. Between updates a
     receiver waits for as long as the trainer takes, up to `idle_timeout_s` (gloo and NCCL fail
@@ -61,18 +65,18 @@ class BroadcastReceiver:
         self,
         store: ObjectStore,
         group: str,
-        rank: int,
+        member: str,
         specs: list[TensorSpec],
         bucket_bytes: int = 64 << 20,
         timeout_s: float = 300.0,
         idle_timeout_s: float = 7 * 24 * 3600.0,
     ) -> None:
-        if rank < 1:
-            raise ValueError(f"receiver ranks start at 1 (rank 0 is the sender), got {rank}")
         self.store = store
         self.group = group
         self.path = rendezvous_path(group)
-        self.rank = rank
+        self.member = check_member(member)
+        self.rank = 0
+        """This member's rank in the generation it joined last (0: none yet)."""
         self.specs = list(specs)
         self.bucket_bytes = bucket_bytes
         self.buckets = plan_buckets(self.specs, bucket_bytes)
@@ -96,6 +100,7 @@ class BroadcastReceiver:
 
     def _join(self, deadline: float) -> None:
         record, tcp = self._connect(deadline)
+        self.rank = int(record["members"][self.member])
         backend = record["backend"]
         self.device = _device_for(backend)
         # CUDA's caching allocator already reuses freed staging; a held free set would only
@@ -115,13 +120,14 @@ class BroadcastReceiver:
             )
         except Exception as err:
             raise TimeoutError(
-                f"weight sync group {self.group!r}: rank {self.rank} could not join the group "
+                f"weight sync group {self.group!r}: {self.member} (rank {self.rank}) could not join "
+                "the group "
                 f"at {record['addr']}:{record['port']} ({type(err).__name__}: {err})"
             ) from err
         self._joined = True
         self._nonce = record["nonce"]
         with contextlib.suppress(FileNotFoundError):
-            self.store.delete(waiting_path(self.group, self.rank))
+            self.store.delete(waiting_path(self.group, self.member))
         self._ctrl, self._ctrl_device = _control_group(backend, idle)
         rows = _layout_check(
             self.fingerprint, len(self.specs), self.bucket_bytes, self._ctrl, self._ctrl_device
@@ -137,7 +143,7 @@ class BroadcastReceiver:
             raise RuntimeError(f"weight sync group {self.group!r}: start() before init()")
         if self._thread is None:
             self._thread = threading.Thread(
-                target=self._run, name=f"weight-sync-{self.group}-r{self.rank}", daemon=True
+                target=self._run, name=f"weight-sync-{self.group}-{self.member}", daemon=True
             )
             self._thread.start()
 
@@ -184,11 +190,6 @@ class BroadcastReceiver:
         last_error = ""
         while True:
             record = self._read_record(deadline)
-            if not 1 <= self.rank < int(record["world_size"]):
-                raise ValueError(
-                    f"weight sync group {self.group!r} has world_size {record['world_size']}: "
-                    f"receiver ranks are 1..{int(record['world_size']) - 1}, got {self.rank}"
-                )
             remaining = deadline - time.monotonic()
             try:
                 tcp = dist.TCPStore(
@@ -210,22 +211,27 @@ class BroadcastReceiver:
             time.sleep(_POLL_S)
 
     def _read_record(self, deadline: float) -> dict:
-        """The record of a group that is forming and is not the one this receiver left. While
-        waiting, a marker under `waiting_path` asks the sender to form one."""
-        marker = waiting_path(self.group, self.rank)
+        """The record of a group that is forming, names this member, and is not the one this
+        receiver left. While waiting, a marker under `waiting_path` asks the sender to form one."""
+        marker = waiting_path(self.group, self.member)
         self.store.write_replace(marker, json.dumps({"since": time.time()}).encode())
         while True:
             try:
                 record = json.loads(self.store.read_bytes(self.path))
-                if record.get("state") == FORMING and record.get("nonce") != self._nonce:
+                if (
+                    record.get("state") == FORMING
+                    and record.get("nonce") != self._nonce
+                    and self.member in record.get("members", {})
+                ):
                     return record
             except FileNotFoundError:
                 pass
             if time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"weight sync group {self.group!r}: no rendezvous record of a forming group "
-                    f"at {self.store.url(self.path)} within {self.timeout_s:.0f}s; is the trainer "
-                    "(the sender) running and using the same queue root and group name?"
+                    f"with member {self.member!r} at {self.store.url(self.path)} within "
+                    f"{self.timeout_s:.0f}s; is the trainer (the sender) running, using the same "
+                    "queue root and group name, and does it expect this member?"
                 )
             time.sleep(_POLL_S)
 
@@ -243,7 +249,7 @@ class BroadcastReceiver:
         where = "this receiver" if row_differs else f"receiver rank(s) {bad}"
         return (
             f"weight sync group {self.group!r}: {where} disagree(s) with the sender "
-            f"({'; '.join(what) or _describe_row(rows[bad[0]])}); 'here' is rank {self.rank}, "
+            f"({'; '.join(what) or _describe_row(rows[bad[0]])}); 'here' is {self.member}, "
             "'there' the sender; build the trainer's architecture and use its bucket_bytes"
         )
 

@@ -113,7 +113,9 @@ def test_broadcast_delivers_every_version_bit_for_bit_and_stop_ends_receivers(
     lazy = _spawn(tmp_path, "collect", "broadcast", rank=2, lazy=True)
     store = ObjectStore(str(tmp_path / "q"), durable=False)
     specs = specs_of(layout_tensors(0))
-    sender = BroadcastSender(store, "rollout", 3, specs, bucket_bytes=BUCKET, timeout_s=60.0)
+    sender = BroadcastSender(
+        store, "rollout", ["r1", "r2"], specs, bucket_bytes=BUCKET, timeout_s=60.0
+    )
     assert len(sender.buckets) >= 8 and {b.dtype for b in sender.buckets} >= {"float32", "int64"}
     sender.init()
     assert store.exists("control/rendezvous/rollout")
@@ -142,7 +144,9 @@ def test_broadcast_group_forms_again_when_a_receiver_dies_and_restarts(tmp_path,
     victim = _spawn(tmp_path, "collect", "broadcast", rank=2)
     store = ObjectStore(str(tmp_path / "q"), durable=False)
     specs = specs_of(layout_tensors(0))
-    sender = BroadcastSender(store, "rollout", 3, specs, bucket_bytes=BUCKET, timeout_s=60.0)
+    sender = BroadcastSender(
+        store, "rollout", ["r1", "r2"], specs, bucket_bytes=BUCKET, timeout_s=60.0
+    )
     sender.init()
     assert sender.push_or_reform(layout_tensors(1), 1) is False  # a healthy group: no reform
     _wait_for(tmp_path / "r1-v1.safetensors", survivor)
@@ -170,10 +174,53 @@ def test_broadcast_group_forms_again_when_a_receiver_dies_and_restarts(tmp_path,
         _assert_is_version(tmp_path / f"r2-v{version}.safetensors", version)
 
 
+def test_broadcast_group_follows_the_wanted_members(tmp_path, sender_cleanup):
+    """An elastic pool: a member added later joins the next generation once it waits (the
+    others need not wait for it to start), and a member no longer wanted is left out."""
+    wanted = ["r1"]
+    first = _spawn(tmp_path, "collect", "broadcast", rank=1)
+    store = ObjectStore(str(tmp_path / "q"), durable=False)
+    specs = specs_of(layout_tensors(0))
+    sender = BroadcastSender(
+        store, "rollout", lambda: list(wanted), specs, bucket_bytes=BUCKET, timeout_s=60.0
+    )
+    sender.init()
+    sender.push_or_reform(layout_tensors(1), 1)
+    _wait_for(tmp_path / "r1-v1.safetensors", first)
+
+    wanted.append("r2")
+    assert not sender.needs_reform()  # wanted, but not started: no reason to wait for it
+    added = _spawn(tmp_path, "collect", "broadcast", rank=2)
+    deadline = time.monotonic() + 60
+    while not sender.needs_reform():  # it waits to join once it has started
+        assert time.monotonic() < deadline and added.poll() is None, "r2 never waited to join"
+        time.sleep(0.05)
+    assert sender.push_or_reform(layout_tensors(2), 2) is True
+    assert sender.members == ["r1", "r2"] and sender.world_size == 3
+    _wait_for(tmp_path / "r1-v2.safetensors", first)
+    _wait_for(tmp_path / "r2-v2.safetensors", added)
+
+    wanted.remove("r1")  # drained: its process still runs, but gets nothing more
+    assert sender.needs_reform()
+    assert sender.push_or_reform(layout_tensors(3), 3) is True
+    assert sender.members == ["r2"]
+    _wait_for(tmp_path / "r2-v3.safetensors", added)
+    assert not sender.needs_reform()  # r1 now waits to join, but nobody wants it
+    sender.destroy()
+    code, err = _finish(added)
+    assert code == 0, err
+    assert json.loads((tmp_path / "r2.json").read_text())["taken"] == [2, 3]
+    assert first.poll() is None and not (tmp_path / "r1-v3.safetensors").exists()
+    for version in (2, 3):
+        _assert_is_version(tmp_path / f"r2-v{version}.safetensors", version)
+
+
 def test_broadcast_refuses_a_misfit_tensor_before_sending_anything(tmp_path, sender_cleanup):
     receiver = _spawn(tmp_path, "collect", "broadcast", rank=1)
     store = ObjectStore(str(tmp_path / "q"), durable=False)
-    sender = BroadcastSender(store, "rollout", 2, specs_of(layout_tensors(0)), bucket_bytes=BUCKET)
+    sender = BroadcastSender(
+        store, "rollout", ["r1"], specs_of(layout_tensors(0)), bucket_bytes=BUCKET
+    )
     sender.init()
     wrong = [(n, t[:-1] if n == "lm_head.weight" else t) for n, t in layout_tensors(1)]
     with pytest.raises(ValueError, match=r"'lm_head.weight' is \[96, 16\] float32"):
@@ -205,9 +252,14 @@ def test_broadcast_layout_mismatch_fails_init_on_both_sides(tmp_path, sender_cle
     other_layout = _spawn(tmp_path, "collect", "broadcast", rank=2, layout="other")
     store = ObjectStore(str(tmp_path / "q"), durable=False)
     sender = BroadcastSender(
-        store, "rollout", 3, specs_of(layout_tensors(0)), bucket_bytes=BUCKET, timeout_s=60.0
+        store,
+        "rollout",
+        ["r1", "r2"],
+        specs_of(layout_tensors(0)),
+        bucket_bytes=BUCKET,
+        timeout_s=60.0,
     )
-    with pytest.raises(LayoutMismatch, match=r"group 'rollout': receiver rank\(s\) \[1, 2\]"):
+    with pytest.raises(LayoutMismatch, match=r"group 'rollout': receiver\(s\) \['r1', 'r2'\]"):
         sender.init()
     assert not dist.is_initialized()
     code, err = _finish(other_bucket)
@@ -222,10 +274,11 @@ def test_broadcast_layout_mismatch_fails_init_on_both_sides(tmp_path, sender_cle
 
 def test_receiver_without_a_sender_times_out_naming_the_rendezvous_path(tmp_path):
     store = ObjectStore(str(tmp_path / "q"), durable=False)
-    receiver = BroadcastReceiver(store, "rollout", 1, specs_of(layout_tensors(0)), timeout_s=0.5)
+    receiver = BroadcastReceiver(store, "rollout", "r1", specs_of(layout_tensors(0)), timeout_s=0.5)
     with pytest.raises(
         TimeoutError,
-        match=r"no rendezvous record of a forming group at .*q/control/rendezvous/rollout",
+        match=r"no rendezvous record of a forming group with member 'r1' at "
+        r".*q/control/rendezvous/rollout",
     ):
         receiver.init()
 
@@ -258,7 +311,7 @@ def test_engine_never_generates_with_half_updated_weights_broadcast(tmp_path, se
     model, _ = tiny_policy(0)
     store = ObjectStore(str(tmp_path / "q"), durable=False)
     specs = specs_of(model.named_parameters())
-    sender = BroadcastSender(store, "rollout", 2, specs, bucket_bytes=BUCKET, timeout_s=60.0)
+    sender = BroadcastSender(store, "rollout", ["r1"], specs, bucket_bytes=BUCKET, timeout_s=60.0)
     assert len(sender.buckets) >= 15  # about one bucket per tensor
     sender.init()
     _push_alternating(sender, versions=30, pause_s=0.02)
@@ -368,7 +421,9 @@ def test_nccl_broadcast_delivers_bit_for_bit(tmp_path, sender_cleanup):
     torch.cuda.set_device(0)
     store = ObjectStore(str(tmp_path / "q"), durable=False)
     specs = specs_of(layout_tensors(0))
-    sender = BroadcastSender(store, "rollout", 2, specs, BUCKET, backend="nccl", timeout_s=60.0)
+    sender = BroadcastSender(
+        store, "rollout", ["r1"], specs, BUCKET, backend="nccl", timeout_s=60.0
+    )
     sender.init()
     for version in (1, 2):
         sender.push([(n, t.cuda()) for n, t in layout_tensors(version)], version)
@@ -385,7 +440,7 @@ from relax_core.queue.store import ObjectStore
 from relax_core.sync import BroadcastReceiver, specs_of
 from tests.integration.weight_sync_actors import layout_tensors
 torch.cuda.set_device(0)
-r = BroadcastReceiver(ObjectStore(sys.argv[1]), "rollout", 1, specs_of(layout_tensors(0)), 1024)
+r = BroadcastReceiver(ObjectStore(sys.argv[1]), "rollout", "r1", specs_of(layout_tensors(0)), 1024)
 r.init(); r.start()
 while not r.stopped:
     r.wait(1.0)

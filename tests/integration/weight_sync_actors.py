@@ -70,7 +70,12 @@ def _receiver(args: argparse.Namespace, specs):
     store = ObjectStore(args.root, durable=False)
     if args.transport == "broadcast":
         return BroadcastReceiver(
-            store, args.group, args.rank, specs, bucket_bytes=args.bucket_bytes, timeout_s=60.0
+            store,
+            args.group,
+            f"r{args.rank}",
+            specs,
+            bucket_bytes=args.bucket_bytes,
+            timeout_s=60.0,
         )
     return ObjectStoreReceiver(store, specs, poll_s=0.01)
 

@@ -1,29 +1,31 @@
 """Async-mode wiring that needs no process: which roles a config runs, their stages, the
-ranks of the weight-sync group, config checks, and the local core share."""
+members of the weight-sync group, config checks, and the local core share."""
 
 from __future__ import annotations
 
 import pytest
 
 from relax_core.config import ConfigError, RunConfig, load_config, replace
+from relax_core.queue import TransferQueue
 from relax_core.services.cores import CoreShare
+from relax_core.services.engines import weight_members
 from relax_core.services.role import load_run_config, serve_fn, stage_chain
 from relax_core.services.supervisor import roles_of
-from relax_core.services.weights import rank_of, world_size
+from relax_core.services.weights import member_name
 
 
 def _async(**sections) -> RunConfig:
     return replace(RunConfig(), mode="async", **sections)
 
 
-def test_the_default_async_run_is_rollout_advantages_trainer():
+def test_the_default_async_run_is_rollout_advantages_trainer(tmp_path):
     cfg = _async()
     assert stage_chain(cfg) == [("advantages", "rollout", "ready")]
     assert roles_of(cfg) == [("trainer", 0), ("rollout", 0), ("advantages", 0)]
-    assert world_size(cfg) == 2 and rank_of(cfg, "rollout", 0) == 1
+    assert weight_members(cfg, TransferQueue(str(tmp_path), "r")) == ["rollout-0"]
 
 
-def test_kl_teacher_and_actor_fwd_add_their_stages_in_order():
+def test_kl_teacher_and_actor_fwd_add_their_stages_in_order(tmp_path):
     cfg = _async(
         algorithm={"kl_coef": 0.1},
         services={"actor_fwd": True, "rollout_workers": 3},
@@ -34,11 +36,12 @@ def test_kl_teacher_and_actor_fwd_add_their_stages_in_order():
         ("advantages", "fwd", "ready"),
     ]
     assert [r for r, _ in roles_of(cfg)].count("rollout") == 3
-    # trainer 0, rollout workers 1..3, actor_fwd last
-    assert [rank_of(cfg, "rollout", i) for i in range(3)] == [1, 2, 3]
-    assert rank_of(cfg, "actor_fwd", 0) == 4 == world_size(cfg) - 1
+    # weight sync: actor_fwd first (rank 1), then the engines in worker order
+    members = weight_members(cfg, TransferQueue(str(tmp_path), "r"))
+    assert members == ["actor_fwd-0", "rollout-0", "rollout-1", "rollout-2"]
+    assert member_name("rollout", 2) == "rollout-2"
     with pytest.raises(ValueError, match="receives no weights"):
-        rank_of(cfg, "advantages", 0)
+        member_name("advantages", 0)
 
 
 def test_every_role_has_a_serve_function():

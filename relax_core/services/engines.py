@@ -1,0 +1,74 @@
+"""The rollout engine pool of an async run, as every role sees it on the run's object store.
+
+    control/engines        {"engines": [{"name", "worker", "startup", "state"}, ...]}: the pool,
+                           written only by whoever scales it (the local supervisor)
+    control/drain/{name}   asks engine `name` to take no more work, commit what it admitted, exit 0
+
+States: `starting` (process up, not yet holding the trainer's weights), `active` (taking work),
+`draining` (finishing what it admitted; no longer a weight-sync member), `removed` (exited after a
+drain; kept in the file for the record). Startup engines are workers 0..rollout_workers-1 of the
+config; engines added by scaling out get the next worker numbers, never reused, so logs, tickets
+and heartbeats of one engine are never confused with another's.
+
+Without the file (a run on a cluster, where Flyte starts the roles) the pool is the startup
+engines of the config.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from relax_core.config import RunConfig
+from relax_core.queue import TransferQueue
+
+POOL = "control/engines"
+DRAIN = "control/drain"
+STATES = ("starting", "active", "draining", "removed")
+
+
+def engine_name(worker: int) -> str:
+    return f"rollout-{worker}"
+
+
+def startup_pool(cfg: RunConfig) -> list[dict[str, Any]]:
+    return [
+        {"name": engine_name(i), "worker": i, "startup": True, "state": "active"}
+        for i in range(cfg.services.rollout_workers)
+    ]
+
+
+def read_pool(cfg: RunConfig, queue: TransferQueue) -> list[dict[str, Any]]:
+    """The pool as last written, or the config's startup engines when nobody wrote one."""
+    try:
+        data = json.loads(queue.store.read_bytes(POOL))
+    except FileNotFoundError:
+        return startup_pool(cfg)
+    return list(data["engines"])
+
+
+def write_pool(queue: TransferQueue, engines: list[dict[str, Any]]) -> None:
+    for e in engines:
+        if e["state"] not in STATES:
+            raise ValueError(f"engine {e['name']}: state {e['state']!r} is not one of {STATES}")
+    queue.store.write_replace(POOL, json.dumps({"engines": engines}, indent=1).encode())
+
+
+def weight_members(cfg: RunConfig, queue: TransferQueue) -> list[str]:
+    """Who receives the trainer's weights now: actor_fwd (when on), then every engine that is
+    not draining or removed, in worker order (ranks follow this order)."""
+    members = ["actor_fwd-0"] if cfg.services.actor_fwd else []
+    engines = sorted(read_pool(cfg, queue), key=lambda e: e["worker"])
+    return members + [e["name"] for e in engines if e["state"] in ("starting", "active")]
+
+
+def request_drain(queue: TransferQueue, name: str) -> None:
+    queue.store.write_replace(f"{DRAIN}/{name}", b"{}")
+
+
+def cancel_drain(queue: TransferQueue, name: str) -> None:
+    queue.store.delete(f"{DRAIN}/{name}")
+
+
+def drain_requested(queue: TransferQueue, name: str) -> bool:
+    return queue.store.exists(f"{DRAIN}/{name}")
