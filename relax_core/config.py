@@ -270,6 +270,15 @@ class ServicesConfig:
     notify: str = ""
     """Apprise URLs (comma-separated) told about restarts, giving up and the run's end;
     empty = none."""
+    scale_api: bool = True
+    """Local launcher: serve the elastic rollout API (/engines, /scale_out, /scale_in); its URL
+    and bearer token go to {run_dir}/scale_api.json (token: $RELAX_SCALE_TOKEN, else random)."""
+    scale_api_host: str = "127.0.0.1"
+    """Address the scaling API binds; anything but loopback exposes it (token still required)."""
+    scale_api_port: int = 0
+    """Port of the scaling API; 0 = a free one."""
+    max_rollout_workers: int = 8
+    """Most rollout engines the pool may scale out to."""
 
 
 @dataclass(frozen=True)

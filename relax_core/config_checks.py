@@ -136,6 +136,17 @@ def _check_services(e: list[str], cfg: RunConfig) -> None:
         _positive(e, f"services.{name}", getattr(s, name))
     _positive(e, "services.max_role_restarts", s.max_role_restarts, allow_zero=True)
     _positive(e, "services.max_global_restarts", s.max_global_restarts, allow_zero=True)
+    if not 0 <= s.scale_api_port <= 65535:
+        e.append(
+            f"services.scale_api_port: a TCP port 0..65535 (0 = any free), got {s.scale_api_port}"
+        )
+    if not s.scale_api_host.strip():
+        e.append("services.scale_api_host: empty; use 127.0.0.1 (loopback) or an address to expose")
+    if s.max_rollout_workers < s.rollout_workers:
+        e.append(
+            f"services.max_rollout_workers: {s.max_rollout_workers} is below "
+            f"services.rollout_workers ({s.rollout_workers}), the engines a run starts with"
+        )
     if s.heartbeat_timeout_s <= 2 * s.heartbeat_s:
         e.append(
             f"services.heartbeat_timeout_s: must exceed twice services.heartbeat_s "

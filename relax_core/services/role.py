@@ -110,7 +110,8 @@ def run_role(
     ctx.status["state"] = "starting"
     ctx.start_heartbeats()
     serve(ctx)
-    ctx.status["state"] = "stopped"
+    if ctx.status.get("state") != "drained":  # an elastic engine removed mid-run says so
+        ctx.status["state"] = "stopped"
     ctx.beat()
 
 

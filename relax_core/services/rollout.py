@@ -119,6 +119,11 @@ def serve(ctx) -> None:
     dataset stream, so several workers and a restarted worker hand out every prompt once. New
     weights arrive in the background; they are applied between generate calls, or between
     decode steps with `rollout.partial_rollout`.
+
+    Elastic pool (`engines.py`): an engine added by scaling out (a worker number past the
+    config's `rollout_workers`) takes no work before it holds the trainer's weights. An engine
+    asked to drain admits nothing more, commits what it admitted (and what a dead process of it
+    had admitted), and exits 0.
     """
     import contextlib
     import os
@@ -130,6 +135,7 @@ def serve(ctx) -> None:
     from relax_core.rewards.registry import build_reward
     from relax_core.rollout.torch_engine import TorchEngine
     from relax_core.services.cores import CoreShare
+    from relax_core.services.engines import drain_requested
     from relax_core.services.prompts import PromptSource
     from relax_core.services.role import set_threads
     from relax_core.services.weights import make_receiver
@@ -204,9 +210,25 @@ def serve(ctx) -> None:
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p)
     chunk = s.rollout_batch_groups or r.groups_per_step
     cores = CoreShare.from_env(ctx.name)
+    drain = _Throttled(lambda: drain_requested(ctx.queue, ctx.name), _DRAIN_CHECK_S)
+    if ctx.worker >= s.rollout_workers and not redo:
+        # Added by scaling out: its checkpoint's weights may be many versions old.
+        ctx.status["state"] = "waiting for the trainer's weights"
+        ctx.beat()
+        while not ctx.stopped() and not drain() and not apply_pending():
+            if joined:
+                receiver.wait(timeout=0.05)
+            else:
+                joiner.join(timeout=0.05)
+    ctx.status["taking_work"] = True
+    ctx.beat()  # the supervisor marks a new engine active on this beat
     waited, wait_start = 0.0, None
+    drained = False
     try:
         while not ctx.stopped():
+            if not redo and drain():
+                drained = True
+                break
             apply_pending()
             stream_first = redo[0][0] if redo else None
             first, count = ledger.try_admit(
@@ -262,8 +284,32 @@ def serve(ctx) -> None:
                 },
             )
     finally:
-        if joined and joined[0] is None:  # never joined: nothing to leave (a daemon thread)
+        # Never joined: nothing to leave (a daemon thread). Drained: the trainer has left this
+        # engine out of its group; the receiver thread waits for nothing and ends with us.
+        if joined and joined[0] is None and not drained:
             receiver.destroy()
+    if drained:
+        log.info("%s drained: every group it admitted is committed", ctx.name)
+        ctx.status["state"] = "drained"
+        ctx.status["taking_work"] = False
+
+
+_DRAIN_CHECK_S = 0.5
+
+
+class _Throttled:
+    """A check that asks storage at most every `every_s` seconds; True stays True."""
+
+    def __init__(self, check, every_s: float) -> None:
+        self.check, self.every_s = check, every_s
+        self.last, self.value = float("-inf"), False
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if not self.value and now - self.last >= self.every_s:
+            self.last = now
+            self.value = bool(self.check())
+        return self.value
 
 
 def committed_tickets(queue) -> set[int]:

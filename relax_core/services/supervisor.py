@@ -16,9 +16,12 @@ Parts:
   times per role within `services.restart_window_s`; beyond that the whole run restarts from
   the newest checkpoint, up to `services.max_global_restarts` times; then the run gives up with
   a report of every failure.
+- scale: the rollout engine pool is elastic (elastic.py): the scaling API (scale_api.py) asks
+  for engines, this loop starts them and retires drained ones; a whole-run restart starts the
+  pool as it was.
 - account: `{run_dir}/roles.json` holds every process (incarnations included) with its CPU seconds
   (from wait4), wall time and exit code; `{run_dir}/recovery.json` every failure and what was
-  done about it.
+  done about it, and every scaling operation.
 
 The trainer ends the run (STOP through weight sync, then `control/stop`); every other service
 exits on `control/stop`.
@@ -40,6 +43,7 @@ from dataclasses import dataclass, field, fields
 from relax_core.config import RunConfig, config_to_dict
 from relax_core.queue import open_queue
 from relax_core.services.cores import ENV as CORE_SHARE_ENV
+from relax_core.services.elastic import ElasticPool
 from relax_core.services.notify import Notifier
 from relax_core.services.role import stage_chain
 from relax_core.train import checkpoint as ckpt
@@ -114,6 +118,9 @@ class Supervisor:
         self._cfg_path = ""
         self._env: dict[str, str] = {}
         self.notifier = Notifier(cfg.services.notify, self.run_id)
+        self.pool: ElasticPool | None = None
+        self.api = None
+        """The scaling API's server (scale_api.ScaleServer) while the run goes on."""
 
     def _prepare(self) -> str:
         """Fresh control state for this launch; returns the config file the roles read."""
@@ -197,7 +204,25 @@ class Supervisor:
             "role_restarts": dict(sorted(self.restarts.items())),
             "global_restarts": self.global_restarts,
             "events": self.events,
+            "scale_operations": self.pool.history() if self.pool else [],
         }
+
+    # ---- the elastic pool's host (elastic.EngineHost) ----------------------------------
+    def start_engine(self, worker: int) -> None:
+        self._start("rollout", worker)
+
+    def engine_process(self, name: str) -> tuple[int, int | None] | None:
+        rp = self.live.get(name)
+        return None if rp is None else (rp.pid, rp.exit_code)
+
+    def _serve_scale_api(self) -> None:
+        from relax_core.services.scale_api import ScaleServer, api_token, write_api_file
+
+        s = self.cfg.services
+        token = api_token()
+        self.api = ScaleServer(self.pool, s.scale_api_host, s.scale_api_port, token)
+        path = write_api_file(self.run_dir, self.api.url, token)
+        log.info("elastic rollout API at %s (URL and token in %s)", self.api.url, path)
 
     def run(self) -> str:
         """Run every role until the trainer finishes; returns the final checkpoint."""
@@ -207,7 +232,10 @@ class Supervisor:
         env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         env.setdefault("PYTHONUNBUFFERED", "1")
         self._env = env
+        self.pool = ElasticPool(self.cfg, self.queue, self)
         try:
+            if self.cfg.services.scale_api:
+                self._serve_scale_api()
             self._start_all()
             self._watch()
             restarts = sum(e["action"].startswith("restarted in place") for e in self.events)
@@ -218,6 +246,10 @@ class Supervisor:
                 "success",
             )
         finally:
+            if self.api is not None:
+                self.api.close()
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.run_dir, "scale_api.json"))
             if any(rp.exit_code is None for rp in self.live.values()):
                 self.queue.stop()
                 self._terminate(10.0)
@@ -229,6 +261,9 @@ class Supervisor:
         self.live = {}
         for role, worker in roles_of(self.cfg):
             self._start(role, worker)
+        assert self.pool is not None
+        for worker in self.pool.extra_workers():
+            self._start("rollout", worker)
         log.info("async run %s: %s", self.run_id, ", ".join(self.live))
 
     def _silent(self, beats: dict[str, dict], rp: RoleProcess) -> float | None:
@@ -243,17 +278,14 @@ class Supervisor:
         silent = time.time() - float(beat["time"])
         return silent if silent > timeout else None
 
-    def _failures(self) -> list[tuple[RoleProcess, str]]:
+    def _failures(self, beats: dict[str, dict]) -> list[tuple[RoleProcess, str]]:
         """Live role processes that failed since the last look, with what happened."""
         failed = []
-        beats = None
         for rp in list(self.live.values()):
             if self._reap(rp):
                 if rp.exit_code != 0:
                     failed.append((rp, f"exited with code {rp.exit_code}"))
                 continue
-            if beats is None:
-                beats = {f"{b['role']}-{b['worker_id']}": b for b in self.queue.heartbeats()}
             silent = self._silent(beats, rp)
             if silent is not None:
                 self._kill(rp)
@@ -316,12 +348,16 @@ class Supervisor:
     def _watch(self) -> None:
         trainer_done_at: float | None = None
         while True:
-            for rp, what in self._failures():
+            beats = {f"{b['role']}-{b['worker_id']}": b for b in self.queue.heartbeats()}
+            for rp, what in self._failures(beats):
                 if trainer_done_at is None:
                     self._recover(rp, what)
                 else:  # the run is over; a service failing on its way out changes nothing
                     log.warning("%s %s after the trainer finished", rp.name, what)
             trainer = self.live["trainer-0"]
+            if trainer.exit_code is None and not self.queue.stopped():
+                assert self.pool is not None
+                self.pool.tick(beats)
             if trainer.exit_code == 0 and trainer_done_at is None:
                 trainer_done_at = time.monotonic()
             if all(rp.exit_code is not None for rp in self.live.values()):

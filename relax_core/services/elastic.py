@@ -1,0 +1,356 @@
+"""Elastic rollout: add and remove rollout engines while a run trains.
+
+The HTTP API in front of it is `scale_api.py`.
+
+What an operation does (the local launcher's engines are torch-engine rollout processes):
+- scale out: new engines get worker numbers past every one used in this run and start as
+  processes. An engine takes work only once it holds the trainer's current weights (it joins
+  the next weight-sync generation as soon as it waits for one). The operation succeeds when
+  every new engine takes work.
+- scale in: the engines leave weight sync, admit nothing more, commit every group they admitted,
+  and exit; only then are they `removed`, so no admitted group is lost. The engines the run
+  started with are protected: the pool never shrinks below them.
+- cancel: a scale-out stops the engines not yet taking work (drained the same way); a scale-in
+  keeps the engines still draining.
+External engines (registering SGLang server URLs) need the SGLang rollout client, which this
+build does not have yet; such requests are refused with 400.
+
+`ElasticPool` is the state machine: API threads validate and record requests under its lock,
+and the launcher's watch loop acts on them (`tick`), so processes are only started from the
+launcher's own thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from relax_core.config import RunConfig
+from relax_core.queue import TransferQueue
+from relax_core.services.engines import (
+    DRAIN,
+    POOL,
+    cancel_drain,
+    engine_name,
+    request_drain,
+    startup_pool,
+    write_pool,
+)
+
+log = logging.getLogger(__name__)
+
+_LIVE = ("starting", "active")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status, self.message, self.extra = status, message, extra
+
+
+class EngineHost(Protocol):
+    """What the pool needs from the launcher that owns the processes."""
+
+    def start_engine(self, worker: int) -> None: ...
+
+    def engine_process(self, name: str) -> tuple[int, int | None] | None:
+        """(pid, exit code or None while it runs) of the engine's newest process, or None."""
+        ...
+
+
+@dataclass
+class Operation:
+    id: str
+    kind: str
+    request: dict[str, Any]
+    engines: list[str]
+    target: int
+    status: str = "running"
+    """running -> succeeded; running -> cancelling -> cancelled (scale out); -> cancelled."""
+    message: str = ""
+    created: float = field(default_factory=time.time)
+    finished: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "url": f"/{self.kind}/{self.id}"}
+
+
+def _fields(body: Any, allowed: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the body must be a JSON object with {' or '.join(allowed)}")
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise ApiError(400, f"unknown field(s) {unknown}; allowed: {list(allowed)}")
+    return body
+
+
+def _count(value: Any, what: str, low: int, high: int) -> int:
+    if type(value) is not int:  # bool is an int subclass: refused too
+        raise ApiError(400, f"{what} must be an integer, got {json.dumps(value)}")
+    if not low <= value <= high:
+        raise ApiError(400, f"{what} must be {low}..{high}, got {value}")
+    return value
+
+
+class ElasticPool:
+    """The rollout engines of one local async run and the scaling operations on them."""
+
+    def __init__(self, cfg: RunConfig, queue: TransferQueue, host: EngineHost) -> None:
+        self.cfg, self.queue, self.host = cfg, queue, host
+        self.lock = threading.RLock()
+        self.max_engines = cfg.services.max_rollout_workers
+        self.engines: dict[str, dict[str, Any]] = {e["name"]: e for e in startup_pool(cfg)}
+        # Worker numbers are never reused within a run, across launches (resumes) too: a new
+        # engine must not inherit another's logs, tickets or drain marker.
+        used = [cfg.services.rollout_workers - 1]
+        with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
+            used += [e["worker"] for e in json.loads(queue.store.read_bytes(POOL))["engines"]]
+        self.next_worker = max(used) + 1
+        for name in queue.store.list_dir(DRAIN):  # a previous launch's requests are void
+            queue.store.delete(f"{DRAIN}/{name}")
+        self.ops: dict[str, Operation] = {}
+        self.current: Operation | None = None
+        self.beats: dict[str, dict[str, Any]] = {}
+        self._to_start: list[int] = []
+        write_pool(queue, self._pool_rows())
+
+    # ---------------------------------------------------------------- requests (API threads)
+    def describe(self) -> dict[str, Any]:
+        with self.lock:
+            engines = []
+            for e in sorted(self.engines.values(), key=lambda e: e["worker"]):
+                proc = self.host.engine_process(e["name"])
+                info = self.beats.get(e["name"], {}).get("info", {})
+                engines.append(
+                    {
+                        **e,
+                        "pid": proc[0] if proc else None,
+                        "policy_version": info.get("policy_version"),
+                        "doing": info.get("state"),
+                    }
+                )
+            return {
+                "engines": engines,
+                "live": sum(e["state"] in _LIVE for e in self.engines.values()),
+                "max_engines": self.max_engines,
+                "operation": self.current.to_json() if self.current else None,
+            }
+
+    def operation(self, kind: str, op_id: str) -> dict[str, Any]:
+        with self.lock:
+            return self._op(kind, op_id).to_json()
+
+    def scale_out(self, body: Any) -> tuple[int, dict[str, Any]]:
+        if isinstance(body, dict) and "engines" in body:
+            raise ApiError(
+                400,
+                "registering external engines (SGLang server URLs) needs the SGLang rollout "
+                'client, which this build does not have yet; add local engines with {"target": N}',
+            )
+        target = _count(_fields(body, ("target",)).get("target"), "target", 1, self.max_engines)
+        with self.lock:
+            if (same := self._busy("scale_out", body)) is not None:
+                return 200, same
+            live = self._live()
+            if target <= len(live):
+                return 200, self._nothing(f"the pool has {len(live)} engine(s); none to add")
+            names = []
+            for _ in range(target - len(live)):
+                worker, self.next_worker = self.next_worker, self.next_worker + 1
+                name = engine_name(worker)
+                self.engines[name] = {
+                    "name": name,
+                    "worker": worker,
+                    "startup": False,
+                    "state": "starting",
+                }
+                self._to_start.append(worker)
+                names.append(name)
+            write_pool(self.queue, self._pool_rows())
+            return 202, self._begin("scale_out", body, names, target).to_json()
+
+    def scale_in(self, body: Any) -> tuple[int, dict[str, Any]]:
+        body = _fields(body, ("target", "engines"))
+        if ("target" in body) == ("engines" in body):
+            raise ApiError(400, 'give exactly one of "target" (engines to keep) or "engines"')
+        with self.lock:
+            if (same := self._busy("scale_in", body)) is not None:
+                return 200, same
+            live = self._live()
+            startup = [e["name"] for e in live if e["startup"]]
+            if "target" in body:
+                target = _count(body["target"], "target", 1, self.max_engines)
+                if target < len(startup):
+                    raise ApiError(
+                        400,
+                        f"target {target} would remove startup engines; the engines the run "
+                        f"started with ({', '.join(startup)}) are protected",
+                    )
+                extra = [e["name"] for e in live if not e["startup"]]
+                victims = extra[::-1][: max(0, len(live) - target)]
+            else:
+                victims = self._named(body["engines"], live)
+                target = len(live) - len(victims)
+            if not victims:
+                return 200, self._nothing(f"the pool has {len(live)} engine(s); none to remove")
+            for name in victims:
+                self.engines[name]["state"] = "draining"
+                if self.engines[name]["worker"] in self._to_start:  # never started
+                    self._to_start.remove(self.engines[name]["worker"])
+            # Out of weight sync first, then asked to drain: a draining engine needs no weights.
+            write_pool(self.queue, self._pool_rows())
+            for name in victims:
+                request_drain(self.queue, name)
+            return 202, self._begin("scale_in", body, victims, target).to_json()
+
+    def cancel(self, kind: str, op_id: str) -> dict[str, Any]:
+        with self.lock:
+            op = self._op(kind, op_id)
+            if op.status != "running":
+                raise ApiError(409, f"operation {op_id} is {op.status}; nothing to cancel")
+            if kind == "scale_out":
+                stopped = [n for n in op.engines if self.engines[n]["state"] == "starting"]
+                for name in stopped:
+                    self.engines[name]["state"] = "draining"
+                    if self.engines[name]["worker"] in self._to_start:
+                        self._to_start.remove(self.engines[name]["worker"])
+                write_pool(self.queue, self._pool_rows())
+                for name in stopped:
+                    request_drain(self.queue, name)
+                kept = [n for n in op.engines if n not in stopped]
+                op.status = "cancelling"
+                op.message = (
+                    f"stopping {stopped or 'none'}; kept (already taking work) {kept or 'none'}"
+                )
+            else:
+                kept = [n for n in op.engines if self.engines[n]["state"] == "draining"]
+                for name in kept:
+                    self.engines[name]["state"] = "active"
+                    cancel_drain(self.queue, name)
+                write_pool(self.queue, self._pool_rows())
+                gone = [n for n in op.engines if n not in kept]
+                self._finish(op, "cancelled", f"kept {kept or 'none'}; removed {gone or 'none'}")
+            return op.to_json()
+
+    # ---------------------------------------------------------------- acting (launcher thread)
+    def extra_workers(self) -> list[int]:
+        """Engines beyond the startup ones that must run (a whole-run restart starts them)."""
+        with self.lock:
+            return sorted(
+                e["worker"]
+                for e in self.engines.values()
+                if not e["startup"]
+                and e["state"] != "removed"
+                and e["worker"] not in self._to_start
+            )
+
+    def tick(self, beats: dict[str, dict[str, Any]]) -> None:
+        """Start what was asked for and move engines and the operation along."""
+        with self.lock:
+            self.beats = beats
+            while self._to_start:
+                self.host.start_engine(self._to_start.pop(0))
+            changed = False
+            for e in self.engines.values():
+                proc = self.host.engine_process(e["name"])
+                if e["state"] == "starting" and proc and proc[1] is None:
+                    info = beats.get(e["name"], {}).get("info", {})
+                    if info.get("pid") == proc[0] and info.get("taking_work"):
+                        e["state"], changed = "active", True
+                        log.info(
+                            "%s takes work (weights v%s)", e["name"], info.get("policy_version")
+                        )
+                elif e["state"] == "draining" and (proc is None or proc[1] == 0):
+                    e["state"], changed = "removed", True
+                    log.info("%s drained and removed", e["name"])
+                elif e["state"] in _LIVE and proc and proc[1] == 0:
+                    # It drained just before a cancel un-drained it: it is wanted, run it again.
+                    self.host.start_engine(e["worker"])
+            if changed:
+                write_pool(self.queue, self._pool_rows())
+            self._advance()
+
+    def history(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return [op.to_json() for op in self.ops.values()]
+
+    # ---------------------------------------------------------------- internals
+    def _advance(self) -> None:
+        op = self.current
+        if op is None:
+            return
+        states = [self.engines[n]["state"] for n in op.engines]
+        if op.status == "running" and op.kind == "scale_out" and all(s == "active" for s in states):
+            self._finish(op, "succeeded", f"{', '.join(op.engines)} take work")
+        elif (
+            op.status == "running" and op.kind == "scale_in" and all(s == "removed" for s in states)
+        ):
+            self._finish(op, "succeeded", f"{', '.join(op.engines)} drained and removed")
+        elif op.status == "cancelling" and not any(s in ("starting", "draining") for s in states):
+            self._finish(op, "cancelled", op.message)
+
+    def _finish(self, op: Operation, status: str, message: str) -> None:
+        op.status, op.message, op.finished = status, message, time.time()
+        if self.current is op:
+            self.current = None
+        log.info("%s %s: %s (%s)", op.kind, op.id, status, message)
+
+    def _begin(self, kind: str, body: Any, engines: list[str], target: int) -> Operation:
+        op = Operation(f"op-{uuid.uuid4().hex[:12]}", kind, body, engines, target)
+        self.ops[op.id] = op
+        self.current = op
+        log.info("%s %s: %s", kind, op.id, ", ".join(engines))
+        return op
+
+    def _busy(self, kind: str, body: Any) -> dict[str, Any] | None:
+        """The running operation if it is this same request (a retry); 409 if another runs."""
+        op = self.current
+        if op is None:
+            return None
+        if op.kind == kind and op.request == body and op.status == "running":
+            return op.to_json()
+        raise ApiError(
+            409,
+            f"{op.kind} {op.id} is {op.status}; one operation at a time (poll {op.to_json()['url']}"
+            " or cancel it)",
+            operation=op.to_json(),
+        )
+
+    def _nothing(self, message: str) -> dict[str, Any]:
+        return {"id": None, "status": "succeeded", "message": message, "engines": []}
+
+    def _live(self) -> list[dict[str, Any]]:
+        return sorted(
+            (e for e in self.engines.values() if e["state"] in _LIVE), key=lambda e: e["worker"]
+        )
+
+    def _named(self, names: Any, live: list[dict[str, Any]]) -> list[str]:
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+            raise ApiError(
+                400, f'"engines" must be a non-empty list of engine names, got {names!r}'
+            )
+        if len(set(names)) != len(names):
+            raise ApiError(400, f'"engines" names an engine twice: {names}')
+        in_pool = {e["name"] for e in live}
+        unknown = [n for n in names if n not in in_pool]
+        if unknown:
+            raise ApiError(400, f"{unknown} not in the pool (live engines: {sorted(in_pool)})")
+        protected = [n for n in names if self.engines[n]["startup"]]
+        if protected:
+            raise ApiError(400, f"{protected} started with the run and are protected")
+        return names
+
+    def _op(self, kind: str, op_id: str) -> Operation:
+        op = self.ops.get(op_id)
+        if op is None or op.kind != kind:
+            raise ApiError(404, f"no {kind} operation {op_id!r}")
+        return op
+
+    def _pool_rows(self) -> list[dict[str, Any]]:
+        return sorted(self.engines.values(), key=lambda e: e["worker"])
