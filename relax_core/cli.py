@@ -1,4 +1,5 @@
-"""`relax`: the command line for people operating runs (`relax queue ...`, `relax compare ...`)."""
+"""`relax`: the command line for people operating runs (`relax queue`, `relax compare`,
+`relax scale`)."""
 
 from __future__ import annotations
 
@@ -53,9 +54,16 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_scale(args: argparse.Namespace) -> int:
+    from relax_core.services import scale_client
+
+    return scale_client.run(args)
+
+
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "queue": queue_cli.run,
     "compare": run_compare,
+    "scale": run_scale,
 }
 
 
@@ -67,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_compare_arguments(
         commands.add_parser("compare", help="print the MLflow UI URL comparing two or more runs")
+    )
+    from relax_core.services import scale_client
+
+    scale_client.add_arguments(
+        commands.add_parser("scale", help="show, grow or shrink a running run's rollout engines")
     )
     args = parser.parse_args(argv)
     return _COMMANDS[args.command](args)

@@ -50,7 +50,7 @@ class ScaleServer:
         self.httpd = ThreadingHTTPServer((host, port), _handler(pool, token.encode()))
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(
-            target=self.httpd.serve_forever, name="scale-api", daemon=True
+            target=self.httpd.serve_forever, args=(0.1,), name="scale-api", daemon=True
         )
         self.thread.start()
 

@@ -1,0 +1,120 @@
+"""Elastic rollout against a real async run: every role an OS process, weights over gloo, the
+scaling API on loopback, driven through `ScaleClient` (what `relax scale` uses).
+
+Mid-run, a wrong token and a bad target are refused and start nothing; a scale-out adds an engine
+that takes work only with the trainer's current weights; a scale-in drains it; the run finishes
+and the audit finds no group lost or trained twice.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from relax_core.queue import TransferQueue
+from relax_core.services.audit import audit_run
+from relax_core.services.scale_client import ScaleApiError, ScaleClient
+from relax_core.train.checkpoint import find_resume_checkpoint, read_state
+
+pytestmark = pytest.mark.integration
+
+SERVICES = {"trainer_threads": 1, "poll_s": 0.002, "heartbeat_s": 0.2}
+
+
+def _wait(what: str, check, proc: subprocess.Popen, timeout: float = 300.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = check()
+        if value:
+            return value
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before {what}: {proc.communicate()[0]}")
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def _trainer_version(queue: TransferQueue) -> int:
+    return max(
+        (b["info"].get("policy_version", 0) for b in queue.heartbeats() if b["role"] == "trainer"),
+        default=0,
+    )
+
+
+def _entries_of(queue: TransferQueue, worker: str) -> list[dict]:
+    metas = [queue.record("rollout", seq)["meta"] for seq in queue.committed("rollout")]
+    return [m for m in metas if m["worker"] == worker]
+
+
+def test_engines_scale_out_and_in_mid_run_and_no_group_is_lost(small_config, workdir):
+    total = 900
+    cfg = small_config(
+        "e.yaml",
+        run_name="e",
+        mode="async",
+        rollout={"max_staleness": 2},
+        train={"total_steps": total, "checkpoint_every": 450},
+        services=SERVICES,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relax_core.services.run", "--cfg", cfg],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    api_file = _wait(
+        "the scaling API", lambda: glob.glob(".relax/checkpoints/*/scale_api.json"), proc
+    )[0]
+    run_dir = os.path.dirname(api_file)
+    queue = TransferQueue(".relax/queue", os.path.basename(run_dir))
+    client = ScaleClient.for_run(run_dir)
+    _wait("step 20", lambda: _trainer_version(queue) >= 20, proc)
+
+    # Refused requests change nothing.
+    with pytest.raises(ScaleApiError) as refused:
+        ScaleClient(client.url, "not-the-token").scale_out(2)
+    assert refused.value.status == 401
+    with pytest.raises(ScaleApiError) as refused:
+        client.scale_out(0)
+    assert refused.value.status == 400 and "target must be 1..8" in str(refused.value)
+    pool = client.engines()
+    assert [(e["name"], e["state"]) for e in pool["engines"]] == [("rollout-0", "active")]
+    assert pool["operation"] is None and not os.path.exists(f"{run_dir}/logs/rollout-1.log")
+
+    asked_at = _trainer_version(queue)
+    op = client.scale_out(2)
+    assert op["status"] == "running" and op["engines"] == ["rollout-1"]
+    done = client.wait(op, timeout_s=240, poll_s=0.1)
+    assert done["status"] == "succeeded", done
+    _wait("rollout-1's groups", lambda: len(_entries_of(queue, "rollout-1")) >= 3, proc)
+
+    op = client.scale_in(target=1)
+    assert op["engines"] == ["rollout-1"]
+    done = client.wait(op, timeout_s=240, poll_s=0.1)
+    assert done["status"] == "succeeded", done
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    assert not os.path.exists(api_file)  # the API ends with the run
+
+    state = read_state(find_resume_checkpoint(".relax/checkpoints", "e"))
+    assert state["policy_version"] == total
+    # The added engine generated only with the trainer's weights of its time, never with the
+    # checkpoint's (step 0) it loaded at start, and committed every group it admitted.
+    added = _entries_of(queue, "rollout-1")
+    assert added and min(m["policy_version"] for m in added) >= asked_at
+    with open(f"{run_dir}/roles.json") as f:
+        roles = [r for r in json.load(f) if r["role"] == "rollout"]
+    assert [(r["worker"], r["exit_code"]) for r in roles] == [(0, 0), (1, 0)]
+    with open(f"{run_dir}/recovery.json") as f:
+        recovery = json.load(f)
+    assert [op["status"] for op in recovery["scale_operations"]] == ["succeeded", "succeeded"]
+    assert recovery["events"] == []  # nothing failed on the way
+    audit = audit_run(queue, state)
+    assert audit["lost_groups"] == 0 and audit["duplicated_groups"] == 0, audit
+    assert audit["trained_groups"] == total * 4
