@@ -211,7 +211,7 @@ def serve(ctx) -> None:
     chunk = s.rollout_batch_groups or r.groups_per_step
     cores = CoreShare.from_env(ctx.name)
     drain = _Throttled(lambda: drain_requested(ctx.queue, ctx.name), _DRAIN_CHECK_S)
-    if ctx.worker >= s.rollout_workers and not redo:
+    if ctx.worker >= s.rollout_workers:
         # Added by scaling out: its checkpoint's weights may be many versions old.
         ctx.status["state"] = "waiting for the trainer's weights"
         ctx.beat()
@@ -284,11 +284,15 @@ def serve(ctx) -> None:
                 },
             )
     finally:
-        # Never joined: nothing to leave (a daemon thread). Drained: the trainer has left this
-        # engine out of its group; the receiver thread waits for nothing and ends with us.
+        # Never joined: nothing to leave (a daemon thread).
         if joined and joined[0] is None and not drained:
             receiver.destroy()
     if drained:
+        # The trainer leaves a draining engine out of its next generation; exiting while still
+        # in the old one would tear gloo down under its receive (the process aborts).
+        deadline = time.monotonic() + s.start_timeout_s
+        while getattr(receiver, "in_group", False) and time.monotonic() < deadline:
+            time.sleep(0.05)
         log.info("%s drained: every group it admitted is committed", ctx.name)
         ctx.status["state"] = "drained"
         ctx.status["taking_work"] = False

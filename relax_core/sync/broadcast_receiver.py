@@ -183,6 +183,12 @@ class BroadcastReceiver:
     def stopped(self) -> bool:
         return self._slot.stopped
 
+    @property
+    def in_group(self) -> bool:
+        """Whether this receiver is a member of a formed generation now (between generations,
+        after the trainer left it out, it is not)."""
+        return self._joined
+
     # ------------------------------------------------------------------ internals
     def _connect(self, deadline: float) -> tuple[dict, dist.TCPStore]:
         """Read the rendezvous record and connect to its store; a record left by a dead sender
