@@ -256,7 +256,12 @@ class ObjectStore:
         directory, name = posixpath.split(full)
         self._ensure_dir(directory)
         tmp = posixpath.join(directory, f"{_TMP_PREFIX}{name}-{uuid.uuid4().hex}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileNotFoundError:  # the directory was removed since we made it (a pruned version)
+            self._made_dirs.discard(directory)
+            self._ensure_dir(directory)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             view = memoryview(data)
             while view:

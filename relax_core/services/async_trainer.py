@@ -377,10 +377,11 @@ class AsyncTrainer:
 
         self.ctx.status["state"] = "waiting for the engines to join weight sync"
         self.sender.init()
-        if hasattr(self.sender, "push_or_reform"):
-            # Engines may hold other weights than this checkpoint's (this trainer restarted,
-            # or an engine did): everyone starts from the trainer's current version.
-            self.publish(self.state.policy_version)
+        # Engines may hold other weights than this checkpoint's (this trainer restarted and
+        # they hold the dead trainer's newer ones, or an engine restarted): everyone starts
+        # from the trainer's current version. Over the object store this also removes the
+        # dead trainer's versions above it.
+        self.publish(self.state.policy_version)
         return train_until(
             self.cfg,
             self.state,

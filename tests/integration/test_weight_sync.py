@@ -363,6 +363,28 @@ def test_object_store_delivers_newest_versions_bit_for_bit_and_keeps_few(tmp_pat
     ]
 
 
+def test_a_restarted_sender_replaces_the_dead_lineage_in_engines(tmp_path):
+    """A trainer restarted from its step-3 checkpoint publishes its weights as v3 at start: the
+    engine, holding v5 of the dead trainer, takes them, not waiting for a v6 to outrank v5."""
+    store = ObjectStore(str(tmp_path / "q"), durable=False)
+    specs = specs_of(layout_tensors(0))
+    dead = ObjectStoreSender(store, specs, BUCKET, keep=2)
+    dead.init()
+    for version in range(1, 6):
+        dead.push(layout_tensors(version), version)
+    receiver = ObjectStoreReceiver(store, specs)
+    assert receiver.poll_once() and receiver.take()[0] == 5
+    restarted = ObjectStoreSender(store, specs, BUCKET, keep=2)
+    restarted.init()
+    restarted.push(layout_tensors(7), 3)  # other weights under the checkpoint's version
+    assert receiver.poll_once()
+    version, tensors = receiver.take()
+    assert version == 3
+    for (name, got), (_, sent) in zip(tensors, layout_tensors(7), strict=True):
+        assert torch.equal(_bits(got), _bits(sent)), name
+    assert store.list_dir(WEIGHTS) == ["v0000000003"]  # v4, v5 of the dead lineage are gone
+
+
 class _PushOnFirstBucketRead(ObjectStore):
     """A store on which the sender publishes (and prunes) while the receiver reads a bucket."""
 
