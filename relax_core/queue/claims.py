@@ -2,7 +2,8 @@
 
 A worker takes input entry `seq` by creating `claims/{stage}/{seq:020d}-{attempt:04d}` only if
 absent; the body holds its id and an expiry. A lease that expired without its output being
-committed (the worker crashed or hangs) is taken over by creating the next attempt. Leases only
+committed (the worker crashed or hangs) is taken over by creating the next attempt; one held
+under the same worker id by an earlier process (a restarted worker) is taken over at once. Leases only
 avoid duplicate work: exactness comes from the output commit (`TransferQueue.commit` at the
 input's seq), so a slow worker that outlives its lease cannot add a second copy.
 
@@ -83,6 +84,7 @@ class StageWorker:
         self._inputs: list[int] = []
         self._done: set[int] = set()
         self._expiry: dict[tuple[int, int], float] = {}
+        self._mine: set[tuple[int, int]] = set()
 
     def known_inputs(self) -> list[int]:
         """Input seqs seen by the last listing (no storage call)."""
@@ -103,6 +105,7 @@ class StageWorker:
         expires = time.time() + self.lease_ttl_s
         lease = Lease(self.in_stage, seq, attempt, self.worker_id, expires)
         if self.queue.store.create_if_absent(lease.path, self._body(expires, attempt)):
+            self._mine.add((seq, attempt))
             return lease
         return None
 
@@ -111,7 +114,12 @@ class StageWorker:
         if key not in self._expiry or self._expiry[key] < time.time():
             path = Lease(self.in_stage, seq, attempt, "", 0.0).path
             try:
-                self._expiry[key] = float(json.loads(self.queue.store.read_bytes(path))["expires"])
+                body = json.loads(self.queue.store.read_bytes(path))
+                self._expiry[key] = float(body["expires"])
+                if body.get("worker") == self.worker_id and key not in self._mine:
+                    # Held under this worker's id by an earlier process of it, which is dead
+                    # (a worker id runs one process at a time): no need to wait it out.
+                    self._expiry[key] = 0.0
             except FileNotFoundError:
                 self._expiry[key] = time.time() + self.lease_ttl_s
             except (ValueError, KeyError, TypeError):

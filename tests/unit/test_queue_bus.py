@@ -199,6 +199,18 @@ def test_expired_lease_is_taken_over_and_the_late_worker_cannot_add_a_copy(tmp_p
     assert slow.claim_next() is None
 
 
+def test_a_restarted_worker_takes_its_dead_predecessors_lease_at_once(tmp_path) -> None:
+    queue = TransferQueue(str(tmp_path), "run")
+    queue.put("rollout", rows_to_table(_group_rows(1, 2)))
+    dead = StageWorker(queue, "rollout", "ref", "advantages-0", lease_ttl_s=60)
+    assert dead.claim_next().seq == 0  # then its process dies
+    assert StageWorker(queue, "rollout", "ref", "other", lease_ttl_s=60).claim_next() is None
+    restarted = StageWorker(queue, "rollout", "ref", "advantages-0", lease_ttl_s=60)
+    taken = restarted.claim_next()
+    assert (taken.seq, taken.attempt, restarted.taken_over) == (0, 1, 1)
+    assert restarted.claim_next() is None  # its own live lease is not taken over again
+
+
 def test_renewed_lease_is_not_taken_over(tmp_path) -> None:
     queue = TransferQueue(str(tmp_path), "run")
     queue.put("rollout", rows_to_table(_group_rows(1, 2)))
