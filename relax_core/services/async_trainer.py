@@ -30,12 +30,16 @@ from relax_core.queue import (
     staleness_histogram,
 )
 from relax_core.queue.admission import VOID
+from relax_core.services.audit import record_trained
 from relax_core.services.role import RoleContext, set_threads
 from relax_core.services.session import RunState
 from relax_core.services.trainer import train_on_table
 from relax_core.train import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
+
+_JOIN_CHECK_S = 0.5
+"""How often a trainer waiting for data looks for engines waiting to join weight sync."""
 
 # Rollout metrics that add up over the entries a step consumed (the others are averaged).
 _SUMMED = ("perf/generate_s", "perf/reward_s", "perf/generated_tokens", "perf/rollout_wait_s")
@@ -405,18 +409,6 @@ class AsyncTrainer:
 
     def close(self) -> None:
         self.sender.destroy()
-
-
-TRAINED = "control/trained"
-_JOIN_CHECK_S = 0.5
-"""How often a trainer waiting for data looks for engines waiting to join weight sync."""
-
-
-def record_trained(queue, version: int, group_ids: list) -> None:
-    """The groups step `version` trained, replaced if a restarted trainer trains that step
-    again: the records of the weights that survive, which the chaos audit reads."""
-    body = json.dumps({"version": version, "groups": sorted(map(str, group_ids))})
-    queue.store.write_replace(f"{TRAINED}/{version:020d}", body.encode())
 
 
 def serve(ctx: RoleContext) -> None:

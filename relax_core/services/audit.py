@@ -14,7 +14,15 @@ from collections import Counter
 from typing import Any
 
 from relax_core.queue import StageCursor, TransferQueue
-from relax_core.services.async_trainer import TRAINED
+
+TRAINED = "control/trained"
+
+
+def record_trained(queue: TransferQueue, version: int, group_ids: list) -> None:
+    """The groups step `version` trained (the trainer writes it), replaced if a restarted trainer
+    trains that step again: the records of the weights that survive, which the audit reads."""
+    body = json.dumps({"version": version, "groups": sorted(map(str, group_ids))})
+    queue.store.write_replace(f"{TRAINED}/{version:020d}", body.encode())
 
 
 def trained_groups(queue: TransferQueue, final_version: int) -> Counter[str]:
