@@ -287,7 +287,7 @@ class ElasticPool:
             return
         states = [self.engines[n]["state"] for n in op.engines]
         if op.status == "running" and op.kind == "scale_out" and all(s == "active" for s in states):
-            self._finish(op, "succeeded", f"{', '.join(op.engines)} take work")
+            self._finish(op, "succeeded", f"{', '.join(op.engines)} taking work")
         elif (
             op.status == "running" and op.kind == "scale_in" and all(s == "removed" for s in states)
         ):
