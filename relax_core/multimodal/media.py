@@ -189,14 +189,20 @@ def decode_video(
                     f"{limits.max_pixels}",
                 )
             wanted = sample_times(duration, fps, limits.max_frames)
-            frames, i = [], 0
+            # Each wanted time takes the frame on screen then: the last one starting at or
+            # before it (the last frame for times past the end of the stream).
+            frames, i, shown = [], 0, None
             for frame in container.decode(stream):
                 t = float(frame.time) if frame.time is not None else 0.0
-                while i < len(wanted) and t + 1e-6 >= wanted[i]:
-                    frames.append(frame.to_ndarray(format="rgb24"))
+                while i < len(wanted) and shown is not None and t > wanted[i] + 1e-6:
+                    frames.append(shown)
                     i += 1
                 if i == len(wanted):
                     break
+                shown = frame.to_ndarray(format="rgb24")
+            while i < len(wanted) and shown is not None:
+                frames.append(shown)
+                i += 1
     except MediaError:
         raise
     except (av.error.FFmpegError, OSError, ValueError) as err:

@@ -110,12 +110,15 @@ def test_long_or_corrupt_audio_is_refused():
 def test_video_frames_are_sampled_at_the_asked_rate():
     data = _video_bytes(n_frames=20, fps=10)  # 2 s
     frames = decode_video(data, LIMITS, fps=2.0)
-    # 2 frames a second over 2 s: t = 0.25, 0.75, 1.25, 1.75 -> source frames 3, 8, 13, 18
+    # 2 frames a second over 2 s: t = 0.25, 0.75, 1.25, 1.75 show source frames 2, 7, 12, 17
+    # (frame k is on screen from k / 10 s)
     assert frames.shape == (4, 32, 32, 3) and frames.dtype == np.uint8
     levels = [int(round(f.mean() / 12)) for f in frames]
-    assert levels == [3, 8, 13, 18]
+    assert levels == [2, 7, 12, 17]
     capped = decode_video(data, MediaLimits(max_frames=2), fps=10.0)
     assert [int(round(f.mean() / 12)) for f in capped] == [5, 15]  # spread over the whole clip
+    every = decode_video(data, LIMITS, fps=10.0)  # the source rate: every frame once
+    assert [int(round(f.mean() / 12)) for f in every] == list(range(20))
 
 
 def test_long_or_corrupt_video_is_refused():
