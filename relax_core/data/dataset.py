@@ -18,6 +18,8 @@ from typing import Any
 
 import fsspec
 
+from relax_core.multimodal.media import KINDS as MEDIA_KINDS
+
 SUPPORTED_EXTENSIONS = (".jsonl", ".parquet")
 
 
@@ -105,6 +107,11 @@ def _check_media(value: Any, where: str) -> list:
         ):
             raise DatasetError(
                 f"{where}: field 'media' item {i} must be an object with non-empty 'kind' and 'uri'"
+            )
+        if item["kind"] not in MEDIA_KINDS:
+            raise DatasetError(
+                f"{where}: field 'media' item {i} has kind {item['kind']!r}; kinds are "
+                f"{', '.join(MEDIA_KINDS)}"
             )
     return value
 

@@ -133,6 +133,10 @@ def test_bad_json_names_file_and_line(tmp_path):
         ({"prompt": "p", "answer": "1", "meta": [1]}, "field 'meta' must be an object"),
         ({"prompt": "p", "answer": "1", "choices": "AB"}, "field 'choices' must be a list"),
         ({"prompt": "p", "answer": "1", "media": [{"kind": "image"}]}, "field 'media' item 0"),
+        (
+            {"prompt": "p", "answer": "1", "media": [{"kind": "img", "uri": "a.png"}]},
+            "field 'media' item 0 has kind 'img'; kinds are image, audio, video",
+        ),
     ],
 )
 def test_bad_field_names_file_line_and_field(tmp_path, record, message):
