@@ -5,6 +5,10 @@ not depend on what it was batched with. Rows that emit EOS stop contributing tok
 batch until every row is done or the budget is spent (the tiny CPU models gain nothing from
 compacting the batch).
 
+Media (an omni policy, models/omni.py): `generate(..., media=)` gives each prompt its encoded
+media inputs; they go with every prefill (the first step, and a rebuild after new weights) and
+never with decode steps, whose new tokens are text.
+
 Partial rollouts: with `weight_poll` set, the engine calls it between decode steps; when it
 reports that new weights were loaded, the KV cache (computed by the old weights) is rebuilt by
 one prefill of prompt + tokens so far, and generation continues under the new weights. Each
@@ -42,18 +46,26 @@ class TorchEngine:
         """Called between decode steps; returns True when it loaded new weights."""
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, media: list | None = None
+    ) -> list[Completion]:
         if self._paused:
             raise RuntimeError("engine is paused for a weight update; resume() before generate()")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        if media is not None and len(media) != len(prompts):
+            raise ValueError(f"media for {len(media)} prompts, {len(prompts)} prompts given")
         out: list[Completion] = []
         for start in range(0, len(prompts), self.max_batch_size):
-            out.extend(self._generate_batch(prompts[start : start + self.max_batch_size], params))
+            end = start + self.max_batch_size
+            chunk = None if media is None else media[start:end]
+            out.extend(self._generate_batch(prompts[start:end], params, chunk))
         return out
 
     @torch.inference_mode()
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def _generate_batch(
+        self, prompts: list[list[int]], params: SamplingParams, media: list | None = None
+    ) -> list[Completion]:
         batch, width = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((batch, width), dtype=torch.long)
@@ -69,14 +81,18 @@ class TorchEngine:
         step_ids, step_pos = input_ids, positions
         first_version = self.version
         last_version = torch.full((batch,), first_version, dtype=torch.long)
+        prefill = True
         for t in range(params.max_new_tokens):
+            extra = {"media": media} if prefill and media is not None else {}
             logits = self.model(
                 input_ids=step_ids,
                 attention_mask=mask,
                 position_ids=step_pos,
                 past_key_values=cache,
                 use_cache=True,
+                **extra,
             ).logits[:, -1]
+            prefill = False
             tok, lp = sample_tokens(
                 logits, params.temperature, params.top_p, params.greedy, self.generator
             )
@@ -96,6 +112,7 @@ class TorchEngine:
                 step_ids = torch.cat([input_ids, tokens[:, : t + 1]], dim=-1)
                 step_pos = (mask.cumsum(-1) - 1).clamp(min=0)
                 cache = DynamicCache()
+                prefill = True
         return self._completions(tokens, logprobs, lengths, done, first_version, last_version)
 
     def _completions(

@@ -14,7 +14,8 @@ class MicroBatch:
 
     input_ids/attention_mask: [B, S]; response_ids/loss_mask: [B, R]; response_positions: [B, R]
     index into S of the hidden state that predicts each response token (prompt_len - 1 + t).
-    `extras` holds further [B, R] float tensors (advantages, old/ref/rollout log-probs).
+    `extras` holds further [B, R] float tensors (advantages, old/ref/rollout log-probs); `media`
+    each row's encoded media inputs for an omni policy (models/omni.py), None for text.
     """
 
     input_ids: torch.Tensor
@@ -23,6 +24,7 @@ class MicroBatch:
     response_positions: torch.Tensor
     loss_mask: torch.Tensor
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    media: list | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -25,9 +25,14 @@ def response_logprobs(
     model: PreTrainedModel, mb: MicroBatch, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs [B, R], entropy [B, R]) of the response tokens of `mb` under `model`."""
-    hidden = model.get_decoder()(
-        input_ids=mb.input_ids, attention_mask=mb.attention_mask
-    ).last_hidden_state
+    if mb.media is not None:  # an omni policy: media embeddings over the placeholders
+        hidden = model.get_decoder()(
+            inputs_embeds=model.embed(mb.input_ids, mb.media), attention_mask=mb.attention_mask
+        ).last_hidden_state
+    else:
+        hidden = model.get_decoder()(
+            input_ids=mb.input_ids, attention_mask=mb.attention_mask
+        ).last_hidden_state
     index = mb.response_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
     logits = model.get_output_embeddings()(hidden.gather(1, index)).float()
     logp_all = torch.log_softmax(logits / temperature, dim=-1)

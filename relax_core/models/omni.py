@@ -1,0 +1,205 @@
+"""A tiny omni policy for CPU: small image, audio and video encoders whose outputs take the place of
+`<media>` placeholder tokens in a tiny causal LM's input embeddings.
+
+Parts:
+- `OmniSpec`: sizes (image side and patch, mel bins, audio and video token counts), and how many
+  placeholders each kind of medium takes in a prompt (`tokens_for`);
+- `MediaInput` (kind + tensor) and `media_input`: decoded media -> encoder input (pixels,
+  log-mel, frames), through multimodal/features.py;
+- `TinyOmni`: the LM plus three encoders. `forward(input_ids, ..., media=...)` embeds the ids,
+  writes each row's encoded media over its placeholders in order, and runs the LM on those
+  embeddings; without `media` it is the LM on ids (decode steps after a prefill), so an engine
+  passes media once per prefill and a trainer once per sequence;
+- `save_omni` / `load_omni`: the LM as a Hugging Face directory, the encoders as
+  `omni.safetensors` and the spec as `omni.json` beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+MEDIA_TOKEN = "<media>"
+SPEC_FILE = "omni.json"
+WEIGHTS_FILE = "omni.safetensors"
+
+
+@dataclass(frozen=True)
+class OmniSpec:
+    image_size: int = 32
+    patch: int = 8
+    n_mels: int = 32
+    audio_rate: int = 8000
+    audio_tokens: int = 8
+    video_frames: int = 8
+    video_fps: float = 8.0
+
+    @property
+    def image_tokens(self) -> int:
+        return (self.image_size // self.patch) ** 2
+
+    def tokens_for(self, kind: str) -> int:
+        """Placeholders one medium of `kind` takes in the prompt."""
+        counts = {
+            "image": self.image_tokens,
+            "audio": self.audio_tokens,
+            "video": self.video_frames,
+        }
+        if kind not in counts:
+            raise ValueError(f"media kind {kind!r} is not one of {sorted(counts)}")
+        return counts[kind]
+
+
+@dataclass
+class MediaInput:
+    """One medium ready for its encoder: image [3, S, S], audio [n_mels, T], video [F, 3, S, S]."""
+
+    kind: str
+    tensor: torch.Tensor
+
+
+def media_input(kind: str, decoded: Any, spec: OmniSpec) -> MediaInput:
+    """Decoded media (a PIL image, mono samples at spec.audio_rate, uint8 frames) -> MediaInput."""
+    from relax_core.multimodal.features import image_pixels, log_mel, video_pixels
+
+    if kind == "image":
+        return MediaInput(kind, image_pixels(decoded, spec.image_size))
+    if kind == "audio":
+        n_fft = max(64, spec.audio_rate // 40)  # 25 ms windows, 10 ms hops
+        return MediaInput(
+            kind, log_mel(decoded, spec.audio_rate, spec.n_mels, n_fft, spec.audio_rate // 100)
+        )
+    if kind == "video":
+        frames = video_pixels(decoded, spec.image_size)
+        if len(frames) < spec.video_frames:  # short clips repeat their last frame
+            pad = frames[-1:].expand(spec.video_frames - len(frames), -1, -1, -1)
+            frames = torch.cat([frames, pad])
+        return MediaInput(kind, frames[: spec.video_frames])
+    raise ValueError(f"media kind {kind!r} is not one of image, audio, video")
+
+
+class TinyOmni(nn.Module):
+    """`lm` (a Hugging Face causal LM) with encoders projecting media into its hidden size."""
+
+    def __init__(self, lm: nn.Module, spec: OmniSpec, media_token_id: int) -> None:
+        super().__init__()
+        self.lm, self.spec, self.media_token_id = lm, spec, media_token_id
+        d = lm.config.hidden_size
+        patch_dim = 3 * spec.patch * spec.patch
+        self.image_in = nn.Sequential(nn.Linear(patch_dim, d), nn.GELU(), nn.Linear(d, d))
+        self.image_pos = nn.Parameter(torch.zeros(spec.image_tokens, d))
+        self.audio_in = nn.Sequential(
+            nn.Conv1d(spec.n_mels, d, 3, stride=2, padding=1),
+            nn.GELU(),
+            nn.Conv1d(d, d, 3, stride=2, padding=1),
+        )
+        self.audio_out = nn.Linear(d, d)
+        self.video_pos = nn.Parameter(torch.zeros(spec.video_frames, d))
+        self.video_out = nn.Linear(d, d)
+        self.config = lm.config  # engines and backends read config.vocab_size, eos, ...
+
+    # ---------------------------------------------------------------- encoders
+    def encode(self, item: MediaInput) -> torch.Tensor:
+        """[tokens_for(kind), hidden] embeddings of one medium."""
+        from relax_core.multimodal.features import patchify
+
+        x = item.tensor.to(self.image_pos.dtype)
+        if item.kind == "image":
+            return self.image_in(patchify(x, self.spec.patch)) + self.image_pos
+        if item.kind == "audio":
+            h = self.audio_in(x.unsqueeze(0))  # [1, d, T/4]
+            pooled = nn.functional.adaptive_avg_pool1d(h, self.spec.audio_tokens)[0].T
+            return self.audio_out(pooled)
+        if item.kind == "video":
+            per_frame = [
+                (self.image_in(patchify(f, self.spec.patch)) + self.image_pos).mean(0) for f in x
+            ]
+            return self.video_out(torch.stack(per_frame) + self.video_pos)
+        raise ValueError(f"media kind {item.kind!r} is not one of image, audio, video")
+
+    def embed(self, input_ids: torch.Tensor, media: list[list[MediaInput]]) -> torch.Tensor:
+        """Token embeddings [B, T, d] with each row's media written over its placeholders."""
+        embeds = self.lm.get_input_embeddings()(input_ids)
+        if len(media) != input_ids.shape[0]:
+            raise ValueError(f"media for {len(media)} rows, input_ids has {input_ids.shape[0]}")
+        rows = []
+        for row, items in enumerate(media):
+            slots = (input_ids[row] == self.media_token_id).nonzero().flatten()
+            encoded = [self.encode(item) for item in items]
+            need = sum(e.shape[0] for e in encoded)
+            if need != len(slots):
+                raise ValueError(
+                    f"row {row}: {len(slots)} {MEDIA_TOKEN} placeholders for media that take "
+                    f"{need} ({', '.join(i.kind for i in items) or 'none'}); build the prompt "
+                    "with OmniSpec.tokens_for"
+                )
+            if need:
+                rows.append(embeds[row].index_put((slots,), torch.cat(encoded).to(embeds.dtype)))
+            else:
+                rows.append(embeds[row])
+        return torch.stack(rows)
+
+    def get_decoder(self) -> nn.Module:
+        return self.lm.get_decoder()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm.get_output_embeddings()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        media: list[list[MediaInput]] | None = None,
+        **kwargs: Any,
+    ):
+        if media is None:
+            return self.lm(input_ids=input_ids, **kwargs)
+        return self.lm(inputs_embeds=self.embed(input_ids, media), **kwargs)
+
+
+def add_media_token(tokenizer) -> int:
+    """Give `tokenizer` the `<media>` placeholder (a special token, never split); its id."""
+    if MEDIA_TOKEN not in tokenizer.get_vocab():
+        tokenizer.add_special_tokens({"additional_special_tokens": [MEDIA_TOKEN]})
+    return tokenizer.convert_tokens_to_ids(MEDIA_TOKEN)
+
+
+def media_prompt_ids(
+    tokenizer, text: str, kinds: list[str], spec: OmniSpec, media_token_id: int
+) -> list[int]:
+    """Placeholders for each medium, in order, then the text's tokens."""
+    ids = [media_token_id] * sum(spec.tokens_for(k) for k in kinds)
+    return ids + tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def save_omni(model: TinyOmni, directory: str) -> None:
+    model.lm.save_pretrained(directory)
+    encoders = {k: v.contiguous() for k, v in model.state_dict().items() if not k.startswith("lm.")}
+    save_file(encoders, os.path.join(directory, WEIGHTS_FILE))
+    with open(os.path.join(directory, SPEC_FILE), "w") as f:
+        json.dump({**asdict(model.spec), "media_token_id": model.media_token_id}, f, indent=1)
+
+
+def load_omni(directory: str, dtype: torch.dtype = torch.float32) -> TinyOmni:
+    from transformers import AutoModelForCausalLM
+
+    with open(os.path.join(directory, SPEC_FILE)) as f:
+        data = json.load(f)
+    token_id = int(data.pop("media_token_id"))
+    lm = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    model = TinyOmni(lm, OmniSpec(**data), token_id).to(dtype)
+    missing, unexpected = model.load_state_dict(
+        load_file(os.path.join(directory, WEIGHTS_FILE)), strict=False
+    )
+    missing = [k for k in missing if not k.startswith("lm.")]
+    if missing or unexpected:
+        raise ValueError(
+            f"{directory}: {WEIGHTS_FILE} does not fit the omni encoders (missing {missing}, "
+            f"unexpected {unexpected})"
+        )
+    return model
