@@ -203,3 +203,22 @@ def test_unknown_paths_operations_and_methods(api):
     code, answer, _ = call(server, "DELETE", "/engines")
     assert code == 405 and "takes GET" in answer["error"]
     assert call(server, "GET", "/scale_out")[0] == 405
+
+
+def test_relax_scale_shows_grows_and_explains_a_missing_run(api, tmp_path, capsys):
+    from relax_core.cli import main
+
+    server, pool, host, queue, _ = api
+    run_dir = tmp_path / "run-1"
+    run_dir.mkdir()
+    write_api_file(str(run_dir), server.url, TOKEN)
+    assert main(["scale", str(run_dir)]) == 0
+    assert capsys.readouterr().out.split()[:3] == ["rollout-0", "active", "startup"]
+    assert main(["scale", str(run_dir), "--out", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["engines"] == ["rollout-1"]
+    assert main(["scale", str(run_dir), "--in", "1"]) == 2  # 409: the scale-out still runs
+    assert "HTTP 409" in capsys.readouterr().err
+    assert main(["scale", str(run_dir), "--cancel"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "cancelling"
+    assert main(["scale", str(tmp_path / "gone")]) == 2
+    assert "scale_api.json does not exist" in capsys.readouterr().err
