@@ -17,7 +17,8 @@ def evaluate(
     max_new_tokens: int,
     limit: int = 0,
 ) -> dict[str, float]:
-    """Greedy pass@1 on the first `limit` eval prompts (0 = all): eval/accuracy, eval/reward_mean."""
+    """Greedy pass@1 on the first `limit` eval prompts (0 = all): eval/accuracy, eval/reward_mean,
+    and `eval/accuracy/<modality>` for each `meta.modality` the rows name (image, audio, ...)."""
     n = len(source.rows) if limit <= 0 else min(limit, len(source.rows))
     prompts = [source.prompt_ids(i) for i in range(n)]
     params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
@@ -26,9 +27,20 @@ def evaluate(
     rows = source.rows[:n]
     results, errors = score_batch(reward_fn, texts, [r["answer"] for r in rows], rows)
     return {
+        **accuracy_by_modality("eval", rows, [r.correct for r in results]),
         "eval/accuracy": sum(r.correct for r in results) / n,
         "eval/reward_mean": sum(r.reward for r in results) / n,
         "eval/response_length": sum(len(c.response_ids) for c in completions) / n,
         "eval/reward_errors": float(errors),
         "eval/size": float(n),
     }
+
+
+def accuracy_by_modality(prefix: str, rows: list[dict[str, Any]], correct: list[bool]):
+    """`{prefix}/accuracy/<modality>` over the rows whose `meta.modality` names one."""
+    by: dict[str, list[bool]] = {}
+    for row, ok in zip(rows, correct, strict=True):
+        modality = (row.get("meta") or {}).get("modality")
+        if modality:
+            by.setdefault(str(modality), []).append(bool(ok))
+    return {f"{prefix}/accuracy/{m}": sum(v) / len(v) for m, v in sorted(by.items())}

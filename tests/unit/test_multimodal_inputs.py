@@ -47,3 +47,18 @@ def test_missing_or_corrupt_media_quarantines_its_row_and_the_rest_go_on(tmp_pat
         reasons[1]
         == f"video {train[4]['media'][0]['uri']}: not found ({tmp_path}/{train[4]['media'][0]['uri']})"
     )
+
+
+def test_eval_reports_accuracy_per_modality():
+    from relax_core.services.evaluation import accuracy_by_modality
+
+    rows = [
+        {"meta": {"modality": "image"}},
+        {"meta": {"modality": "image"}},
+        {"meta": {"modality": "audio"}},
+        {"meta": {}},
+        {},
+    ]
+    got = accuracy_by_modality("eval", rows, [True, False, True, False, True])
+    assert got == {"eval/accuracy/audio": 1.0, "eval/accuracy/image": 0.5}
+    assert accuracy_by_modality("eval", [{"meta": {}}], [True]) == {}  # text runs: no extra keys
