@@ -145,9 +145,8 @@ def main() -> None:
     marks["out_asked"] = time.time()
     out = client.wait(client.scale_out(args.engines), poll_s=0.1)
     marks["out_done"] = time.time()
-    print(
-        f"scale out to {args.engines}: {out['status']} in {marks['out_done'] - marks['out_asked']:.1f} s"
-    )
+    out_s = marks["out_done"] - marks["out_asked"]
+    print(f"scale out to {args.engines}: {out['status']} in {out_s:.1f} s")
     _wait(f"step {2 * args.steps // 3}", lambda: _version(queue) >= 2 * args.steps // 3, proc)
     marks["in_asked"] = time.time()
     drained = client.wait(client.scale_in(target=1), poll_s=0.1)
@@ -186,9 +185,7 @@ def main() -> None:
             f"{p['tokens_per_s']:.0f} | {p['wait_s']:.1f} |"
         )
     print(f"\ngroups per engine: {json.dumps(by_worker)}")
-    print(
-        f"scale out took {marks['out_done'] - marks['out_asked']:.1f} s (start, join, first weights)"
-    )
+    print(f"scale out took {out_s:.1f} s (start, join, first weights)")
     print(f"scale in took {marks['in_done'] - marks['in_asked']:.1f} s (drain)")
     removed = set(drained["engines"])
     late = [
@@ -200,7 +197,8 @@ def main() -> None:
     )
     print(f"audit (groups): {json.dumps(audit)}")
     one, many = phases["1 engine"], phases[f"{args.engines} engines"]
-    samples = 8  # configs/cpu-async.yaml: rows per group
+    with open(os.path.join(work, "elastic.json")) as f:
+        samples = json.load(f)["rollout"]["n_samples_per_prompt"]  # rows per group
     bad = audit["lost_groups"] + audit["duplicated_groups"]
     print(
         f"headline: scale_out_throughput_ratio = {many['groups_per_s'] / one['groups_per_s']:.2f}"

@@ -4,8 +4,8 @@
 Parts:
 - `OmniSpec`: sizes (image side and patch, mel bins, audio and video token counts), and how many
   placeholders each kind of medium takes in a prompt (`tokens_for`);
-- `MediaInput` (kind + tensor) and `media_input`: decoded media -> encoder input (pixels,
-  log-mel, frames), through multimodal/features.py;
+- encoder inputs are `MediaInput`s (kind + tensor) made by multimodal/features.py's
+  `media_input` from decoded media, sized by the spec;
 - `TinyOmni`: the LM plus three encoders. `forward(input_ids, ..., media=...)` embeds the ids,
   writes each row's encoded media over its placeholders in order, and runs the LM on those
   embeddings; without `media` it is the LM on ids (decode steps after a prefill), so an engine
@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from relax_core.multimodal.features import MediaInput, patchify
 
 MEDIA_TOKEN = "<media>"
 SPEC_FILE = "omni.json"
@@ -56,34 +58,6 @@ class OmniSpec:
         return counts[kind]
 
 
-@dataclass
-class MediaInput:
-    """One medium ready for its encoder: image [3, S, S], audio [n_mels, T], video [F, 3, S, S]."""
-
-    kind: str
-    tensor: torch.Tensor
-
-
-def media_input(kind: str, decoded: Any, spec: OmniSpec) -> MediaInput:
-    """Decoded media (a PIL image, mono samples at spec.audio_rate, uint8 frames) -> MediaInput."""
-    from relax_core.multimodal.features import image_pixels, log_mel, video_pixels
-
-    if kind == "image":
-        return MediaInput(kind, image_pixels(decoded, spec.image_size))
-    if kind == "audio":
-        n_fft = max(64, spec.audio_rate // 40)  # 25 ms windows, 10 ms hops
-        return MediaInput(
-            kind, log_mel(decoded, spec.audio_rate, spec.n_mels, n_fft, spec.audio_rate // 100)
-        )
-    if kind == "video":
-        frames = video_pixels(decoded, spec.image_size)
-        if len(frames) < spec.video_frames:  # short clips repeat their last frame
-            pad = frames[-1:].expand(spec.video_frames - len(frames), -1, -1, -1)
-            frames = torch.cat([frames, pad])
-        return MediaInput(kind, frames[: spec.video_frames])
-    raise ValueError(f"media kind {kind!r} is not one of image, audio, video")
-
-
 class TinyOmni(nn.Module):
     """`lm` (a Hugging Face causal LM) with encoders projecting media into its hidden size."""
 
@@ -107,8 +81,6 @@ class TinyOmni(nn.Module):
     # ---------------------------------------------------------------- encoders
     def encode(self, item: MediaInput) -> torch.Tensor:
         """[tokens_for(kind), hidden] embeddings of one medium."""
-        from relax_core.multimodal.features import patchify
-
         x = item.tensor.to(self.image_pos.dtype)
         if item.kind == "image":
             return self.image_in(patchify(x, self.spec.patch)) + self.image_pos
@@ -116,11 +88,10 @@ class TinyOmni(nn.Module):
             h = self.audio_in(x.unsqueeze(0))  # [1, d, T/4]
             pooled = nn.functional.adaptive_avg_pool1d(h, self.spec.audio_tokens)[0].T
             return self.audio_out(pooled)
-        if item.kind == "video":
-            per_frame = [
-                (self.image_in(patchify(f, self.spec.patch)) + self.image_pos).mean(0) for f in x
-            ]
-            return self.video_out(torch.stack(per_frame) + self.video_pos)
+        if item.kind == "video":  # each frame's patches through the image encoder, averaged
+            patches = torch.stack([patchify(frame, self.spec.patch) for frame in x])
+            per_frame = (self.image_in(patches) + self.image_pos).mean(1)
+            return self.video_out(per_frame + self.video_pos)
         raise ValueError(f"media kind {item.kind!r} is not one of image, audio, video")
 
     def embed(self, input_ids: torch.Tensor, media: list[list[MediaInput]]) -> torch.Tensor:
@@ -128,10 +99,14 @@ class TinyOmni(nn.Module):
         embeds = self.lm.get_input_embeddings()(input_ids)
         if len(media) != input_ids.shape[0]:
             raise ValueError(f"media for {len(media)} rows, input_ids has {input_ids.shape[0]}")
-        rows = []
+        rows, done = [], {}
         for row, items in enumerate(media):
             slots = (input_ids[row] == self.media_token_id).nonzero().flatten()
-            encoded = [self.encode(item) for item in items]
+            # A group's samples share their prompt's media objects: each is encoded once.
+            for item in items:
+                if id(item) not in done:
+                    done[id(item)] = self.encode(item)
+            encoded = [done[id(item)] for item in items]
             need = sum(e.shape[0] for e in encoded)
             if need != len(slots):
                 raise ValueError(

@@ -5,10 +5,14 @@ Pure functions over arrays and tensors (no I/O; media.py decodes):
 - `patchify`: [C, S, S] -> [(S/P)^2, C*P*P], the patch sequence a ViT-style encoder embeds;
 - `mel_filterbank` (HTK mel scale, triangular filters) and `log_mel`: mono samples ->
   [n_mels, frames] log10 power, clamped 8 decades below the clip's peak as Whisper does;
-- `video_pixels`: every sampled frame as `image_pixels` -> [T, 3, S, S].
+- `video_pixels`: every sampled frame as `image_pixels` -> [T, 3, S, S];
+- `media_input`: one decoded medium -> the `MediaInput` an omni policy's encoder takes.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,7 +60,8 @@ def mel_to_hz(mel: np.ndarray | float) -> np.ndarray:
 
 
 def mel_filterbank(sample_rate: int, n_fft: int, n_mels: int) -> torch.Tensor:
-    """[n_mels, n_fft // 2 + 1] triangular filters evenly spaced on the HTK mel scale, 0..Nyquist."""
+    """[n_mels, n_fft // 2 + 1] triangular filters, evenly spaced on the HTK mel scale from 0 Hz
+    to Nyquist."""
     freqs = np.linspace(0.0, sample_rate / 2, n_fft // 2 + 1)
     edges = mel_to_hz(np.linspace(hz_to_mel(0.0), hz_to_mel(sample_rate / 2), n_mels + 2))
     lower, center, upper = edges[:-2, None], edges[1:-1, None], edges[2:, None]
@@ -83,3 +88,30 @@ def log_mel(
     mel = mel_filterbank(sample_rate, n_fft, n_mels) @ power
     logged = torch.log10(mel.clamp(min=1e-10))
     return torch.maximum(logged, logged.max() - 8.0)
+
+
+@dataclass
+class MediaInput:
+    """One medium ready for its encoder: image [3, S, S], audio [n_mels, T], video [F, 3, S, S]."""
+
+    kind: str
+    tensor: torch.Tensor
+
+
+def media_input(kind: str, decoded: Any, spec: Any) -> MediaInput:
+    """Decoded media (a PIL image, mono samples at spec.audio_rate, uint8 frames) -> MediaInput,
+    sized by `spec` (image_size, audio_rate, n_mels, video_frames; models/omni.OmniSpec)."""
+    if kind == "image":
+        return MediaInput(kind, image_pixels(decoded, spec.image_size))
+    if kind == "audio":
+        n_fft = max(64, spec.audio_rate // 40)  # 25 ms windows, 10 ms hops
+        return MediaInput(
+            kind, log_mel(decoded, spec.audio_rate, spec.n_mels, n_fft, spec.audio_rate // 100)
+        )
+    if kind == "video":
+        frames = video_pixels(decoded, spec.image_size)
+        if len(frames) < spec.video_frames:  # short clips repeat their last frame
+            pad = frames[-1:].expand(spec.video_frames - len(frames), -1, -1, -1)
+            frames = torch.cat([frames, pad])
+        return MediaInput(kind, frames[: spec.video_frames])
+    raise ValueError(f"media kind {kind!r} is not one of image, audio, video")

@@ -3,7 +3,7 @@
 Rows travel through the queue with media by reference (`{kind, uri, bytes}`); every role that
 runs the policy rebuilds the inputs from those references with a `MediaResolver`:
 read (media.read_bytes) -> decode with the run's limits (media.decode_*) -> encoder input
-(models/omni.media_input). Decoded inputs are kept in a small LRU cache keyed by the reference, so a
+(features.media_input). Decoded inputs are kept in a small LRU cache keyed by the reference, so a
 group's samples (and a prompt seen again) decode their media once.
 
 `split_by_media` sorts prompt rows into usable ones and quarantined ones, each with the reason
@@ -17,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from relax_core.multimodal.features import media_input
 from relax_core.multimodal.media import (
     MediaError,
     MediaLimits,
@@ -53,8 +54,6 @@ class MediaResolver:
         return [self._input(item) for item in (media or [])]
 
     def _input(self, item: Mapping[str, Any]):
-        from relax_core.models.omni import media_input
-
         check_item(item)
         key = _key(item)
         if key in self._cache:
@@ -67,7 +66,9 @@ class MediaResolver:
                 resolve_uri(uri, self.base_dir),
                 self.limits,
                 self.spec.video_fps,
-                source_fps=float(item.get("fps") or self.spec.video_fps),
+                # The row schema carries no frame rate: a folder's frames are taken to be
+                # spec.video_fps apart, the same in every role that reads the row.
+                source_fps=self.spec.video_fps,
                 item=item,
                 storage_options=self.storage_options,
             )

@@ -128,11 +128,7 @@ def decode_audio(
     item = item or {"kind": "audio"}
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as f:
-            seconds = f.frames / f.samplerate
-            if seconds > limits.max_audio_seconds:
-                raise MediaError(
-                    item, f"{seconds:.1f} s long, over the limit of {limits.max_audio_seconds} s"
-                )
+            _check_length(item, f.frames / f.samplerate, limits.max_audio_seconds)
             samples = f.read(dtype="float32", always_2d=True)
             source_rate = f.samplerate
     except MediaError:
@@ -142,6 +138,11 @@ def decode_audio(
     if samples.size == 0:
         raise MediaError(item, "holds no audio samples")
     return resample(samples.mean(axis=1), source_rate, sample_rate)
+
+
+def _check_length(item: Mapping[str, Any], seconds: float, limit: float) -> None:
+    if seconds > limit:
+        raise MediaError(item, f"{seconds:.1f} s long, over the limit of {limit} s")
 
 
 def resample(samples: np.ndarray, source_rate: int, target_rate: int) -> np.ndarray:
@@ -178,10 +179,7 @@ def decode_video(
                 raise MediaError(item, "has no video stream")
             stream = container.streams.video[0]
             duration = _duration_s(container, stream)
-            if duration > limits.max_video_seconds:
-                raise MediaError(
-                    item, f"{duration:.1f} s long, over the limit of {limits.max_video_seconds} s"
-                )
+            _check_length(item, duration, limits.max_video_seconds)
             if stream.width * stream.height > limits.max_pixels:
                 raise MediaError(
                     item,
@@ -242,10 +240,7 @@ def decode_frame_folder(
     if not names:
         raise MediaError(item, f"frame folder holds no {'/'.join(_FRAME_SUFFIXES)} images")
     duration = len(names) / source_fps
-    if duration > limits.max_video_seconds:
-        raise MediaError(
-            item, f"{duration:.1f} s long, over the limit of {limits.max_video_seconds} s"
-        )
+    _check_length(item, duration, limits.max_video_seconds)
     picks = sorted(
         {
             min(len(names) - 1, int(t * source_fps))

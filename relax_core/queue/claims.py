@@ -3,9 +3,10 @@
 A worker takes input entry `seq` by creating `claims/{stage}/{seq:020d}-{attempt:04d}` only if
 absent; the body holds its id and an expiry. A lease that expired without its output being
 committed (the worker crashed or hangs) is taken over by creating the next attempt; one held
-under the same worker id by an earlier process (a restarted worker) is taken over at once. Leases only
-avoid duplicate work: exactness comes from the output commit (`TransferQueue.commit` at the
-input's seq), so a slow worker that outlives its lease cannot add a second copy.
+under the same worker id by an earlier process (a restarted worker) is taken over at once.
+Leases only avoid duplicate work: exactness comes from the output commit
+(`TransferQueue.commit` at the input's seq), so a slow worker that outlives its lease cannot add
+a second copy.
 
 Expiry compares wall clocks of different machines; keep them NTP-synchronized and the TTL well
 above the skew (the default is tens of seconds).

@@ -199,14 +199,7 @@ class ElasticPool:
                 target = len(live) - len(victims)
             if not victims:
                 return 200, self._nothing(f"the pool has {len(live)} engine(s); none to remove")
-            for name in victims:
-                self.engines[name]["state"] = "draining"
-                if self.engines[name]["worker"] in self._to_start:  # never started
-                    self._to_start.remove(self.engines[name]["worker"])
-            # Out of weight sync first, then asked to drain: a draining engine needs no weights.
-            write_pool(self.queue, self._pool_rows())
-            for name in victims:
-                request_drain(self.queue, name)
+            self._drain(victims)
             return 202, self._begin("scale_in", body, victims, target).to_json()
 
     def cancel(self, kind: str, op_id: str) -> dict[str, Any]:
@@ -216,13 +209,7 @@ class ElasticPool:
                 raise ApiError(409, f"operation {op_id} is {op.status}; nothing to cancel")
             if kind == "scale_out":
                 stopped = [n for n in op.engines if self.engines[n]["state"] == "starting"]
-                for name in stopped:
-                    self.engines[name]["state"] = "draining"
-                    if self.engines[name]["worker"] in self._to_start:
-                        self._to_start.remove(self.engines[name]["worker"])
-                write_pool(self.queue, self._pool_rows())
-                for name in stopped:
-                    request_drain(self.queue, name)
+                self._drain(stopped)
                 kept = [n for n in op.engines if n not in stopped]
                 op.status = "cancelling"
                 op.message = (
@@ -281,6 +268,17 @@ class ElasticPool:
             return [op.to_json() for op in self.ops.values()]
 
     # ---------------------------------------------------------------- internals
+    def _drain(self, names: list[str]) -> None:
+        """Out of weight sync first (the pool file), then asked to drain: a draining engine
+        needs no weights. One not started yet is simply not started."""
+        for name in names:
+            self.engines[name]["state"] = "draining"
+            if self.engines[name]["worker"] in self._to_start:
+                self._to_start.remove(self.engines[name]["worker"])
+        write_pool(self.queue, self._pool_rows())
+        for name in names:
+            request_drain(self.queue, name)
+
     def _advance(self) -> None:
         op = self.current
         if op is None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from relax_core.config import RunConfig
 from relax_core.queue import TransferQueue
+from relax_core.services.weights import member_name
 
 POOL = "control/engines"
 DRAIN = "control/drain"
@@ -28,7 +29,7 @@ STATES = ("starting", "active", "draining", "removed")
 
 
 def engine_name(worker: int) -> str:
-    return f"rollout-{worker}"
+    return member_name("rollout", worker)
 
 
 def startup_pool(cfg: RunConfig) -> list[dict[str, Any]]:
@@ -57,7 +58,7 @@ def write_pool(queue: TransferQueue, engines: list[dict[str, Any]]) -> None:
 def weight_members(cfg: RunConfig, queue: TransferQueue) -> list[str]:
     """Who receives the trainer's weights now: actor_fwd (when on), then every engine that is
     not draining or removed, in worker order (ranks follow this order)."""
-    members = ["actor_fwd-0"] if cfg.services.actor_fwd else []
+    members = [member_name("actor_fwd", 0)] if cfg.services.actor_fwd else []
     engines = sorted(read_pool(cfg, queue), key=lambda e: e["worker"])
     return members + [e["name"] for e in engines if e["state"] in ("starting", "active")]
 

@@ -3,9 +3,10 @@
 Parts:
 - rendezvous: the sender opens a TCPStore on a free port of `host` and publishes its address in
   `control/rendezvous/{group}` on the run's object store (state "forming") with the members of
-  this generation by name and rank; receivers poll that record and join at their rank. All ranks then exchange a layout check (fingerprint, tensor count, bucket
-  size), so a mismatched receiver fails init on both sides with a message instead of corrupting
-  weights; then the record says "formed".
+  this generation by name and rank; receivers poll that record and join at their rank. All
+  ranks then exchange a layout check (fingerprint, tensor count, bucket size), so a mismatched
+  receiver fails init on both sides with a message instead of corrupting weights; then the
+  record says "formed".
 - membership: the sender's `members` is a list of receiver names or a function returning the
   wanted ones (an elastic rollout pool). The first generation waits for all of them; a later one
   takes the wanted members that were in the last one or wait to join now, so a member still
@@ -19,9 +20,9 @@ Parts:
   UPDATE header (`pause`), one broadcast per bucket (`send`), END header (`resume`); STOP ends
   the receivers' loop (`destroy`).
 - `BroadcastSender.send` flattens bucket i+1 while bucket i is on the wire (two buffers).
-- `BroadcastReceiver` (broadcast_receiver.py) runs a thread that receives each update into staging buffers of its own
-  (fresh, or given back through `release`) and hands the complete update to the engine loop
-  through an `UpdateSlot` (see apply.py).
+- `BroadcastReceiver` (broadcast_receiver.py) runs a thread that receives each update into
+  staging buffers of its own (fresh, or given back through `release`) and hands the complete
+  update to the engine loop through an `UpdateSlot` (see apply.py).
 
 Backend "gloo" moves CPU tensors, "nccl" CUDA tensors of the current device; the code is the same
 (with NCCL, headers and the layout check go over a second, gloo group).
@@ -188,11 +189,14 @@ class BroadcastSender:
             raise ValueError(f"weight sync group {self.group!r}: member names repeat: {names}")
         return names
 
-    def waiting(self) -> dict[str, float]:
-        """Receivers waiting to join a group now: name -> when their wait began."""
+    def waiting(self, among: list[str]) -> dict[str, float]:
+        """Receivers of `among` waiting to join a group now: name -> when their wait began.
+
+        Only their markers are read: a drained engine's marker stays behind, and reading every
+        one would make each update's check grow with the engines a run ever removed."""
         prefix = waiting_path(self.group)
         found = {}
-        for name in self.store.list_dir(prefix):
+        for name in set(self.store.list_dir(prefix)) & set(among):
             with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
                 found[name] = float(json.loads(self.store.read_bytes(f"{prefix}/{name}"))["since"])
         return found
@@ -203,7 +207,7 @@ class BroadcastSender:
             return wanted  # a (re)started sender waits for every member
         # Later generations take who was there and who waits now; a member still starting
         # joins the next one (formed when it waits) instead of stalling this one.
-        waiting = self.waiting()
+        waiting = self.waiting(wanted)
         chosen = [n for n in wanted if n in self.members or n in waiting]
         return chosen or wanted
 
@@ -240,8 +244,8 @@ class BroadcastSender:
             self._forget_record()
             raise TimeoutError(
                 f"weight sync group {self.group!r}: not all of its receivers "
-                f"{', '.join(self.members)} joined within {self.timeout_s:.0f}s (rendezvous at {self.store.url(self.path)}; "
-                f"{type(err).__name__}: {err})"
+                f"{', '.join(self.members)} joined within {self.timeout_s:.0f}s (rendezvous at "
+                f"{self.store.url(self.path)}; {type(err).__name__}: {err})"
             ) from err
         self._ctrl, self._ctrl_device = _control_group(self.backend, timeout)
         rows = _layout_check(
@@ -268,11 +272,11 @@ class BroadcastSender:
         """Whether the next update must go to a new generation: a member is no longer wanted
         (drained), a wanted receiver outside the group waits to join (a new engine), or a
         member began waiting after this generation formed (it broke, or it restarted)."""
-        wanted = set(self.wanted())
+        wanted = self.wanted()
         if any(name not in wanted for name in self.members):
             return True
-        for name, since in self.waiting().items():
-            if name in wanted and (name not in self.members or since > self._formed_at):
+        for name, since in self.waiting(wanted).items():
+            if name not in self.members or since > self._formed_at:
                 return True
         return False
 

@@ -120,8 +120,8 @@ class BroadcastReceiver:
             )
         except Exception as err:
             raise TimeoutError(
-                f"weight sync group {self.group!r}: {self.member} (rank {self.rank}) could not join "
-                "the group "
+                f"weight sync group {self.group!r}: {self.member} (rank {self.rank}) could not "
+                "join the group "
                 f"at {record['addr']}:{record['port']} ({type(err).__name__}: {err})"
             ) from err
         self._joined = True

@@ -43,10 +43,8 @@ def test_missing_or_corrupt_media_quarantines_its_row_and_the_rest_go_on(tmp_pat
     assert len(usable) == 4 and [row for row, _ in usable] == [train[i] for i in (0, 1, 3, 5)]
     reasons = [reason for _, reason in quarantined]
     assert reasons[0].startswith(f"audio {train[2]['media'][0]['uri']}: unreadable audio")
-    assert (
-        reasons[1]
-        == f"video {train[4]['media'][0]['uri']}: not found ({tmp_path}/{train[4]['media'][0]['uri']})"
-    )
+    video = train[4]["media"][0]["uri"]
+    assert reasons[1] == f"video {video}: not found ({tmp_path}/{video})"
 
 
 def test_eval_reports_accuracy_per_modality():

@@ -17,11 +17,11 @@ from relax_core.models.omni import (
     TinyOmni,
     add_media_token,
     load_omni,
-    media_input,
     media_prompt_ids,
     save_omni,
 )
 from relax_core.models.tiny import build_char_tokenizer, build_tiny_qwen3
+from relax_core.multimodal.features import media_input
 from relax_core.rollout.engine import SamplingParams
 from relax_core.rollout.torch_engine import TorchEngine
 from relax_core.train.batch import make_micro_batch
