@@ -1,0 +1,282 @@
+"""SGLang rollout engine: a `RolloutEngine` that talks to an SGLang server over its HTTP API.
+
+SGLang pins its own torch and transformers, so it runs in its own image (containers/) or venv and
+this side only speaks HTTP:
+- `POST /generate` with `input_ids` (a batch), `sampling_params` and `return_logprob`; each
+  answer carries `output_ids`, `meta_info.output_token_logprobs` ([logprob, token_id, text]),
+  `meta_info.finish_reason.type` ('stop', 'length', 'abort') and `meta_info.weight_version`.
+- `GET /health`, `GET /get_model_info` (weight_version), `GET /get_server_info` (tp_size).
+- `POST /pause_generation {"mode"}`, `POST /continue_generation`, `POST /flush_cache`,
+  `POST /release_memory_occupation` / `/resume_memory_occupation` (colocate on one GPU).
+- Weights reach the server through the trainer's own process group (sync/sglang.py drives
+  `/init_weights_update_group` and `/update_weights_from_distributed`); `update_weights` here
+  refuses, naming that path.
+
+The policy version of a completion: the server reports the weight version that ended it; the
+version the engine held when the request went out is its first token's. When they differ, a
+weight update landed mid-generation (paused in place) and the completion says so through
+`policy_version_max`, as a partial rollout of the torch engine does.
+
+`launch_server` starts `python -m sglang.launch_server` (GPU machines; `gpu`-marked tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from relax_core.rollout.engine import Completion, SamplingParams
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class SGLangError(RuntimeError):
+    """An SGLang server refused a request, answered something unreadable, or is unreachable."""
+
+
+class SGLangClient:
+    """JSON over HTTP to one server; every failure names the server, the path and the reason."""
+
+    def __init__(self, url: str, timeout_s: float = 600.0, api_key: str | None = None) -> None:
+        url = url.rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"SGLang server URL must start with http:// or https://, got {url!r}")
+        self.url = url
+        self.timeout_s = timeout_s
+        self.api_key = api_key if api_key is not None else os.environ.get("SGLANG_API_KEY")
+
+    def get(self, path: str, timeout_s: float | None = None) -> Any:
+        return self._call("GET", path, None, timeout_s)
+
+    def post(self, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
+        return self._call("POST", path, {} if body is None else body, timeout_s)
+
+    def post_ok(self, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
+        """POST to an endpoint answering {"success", "message"}; SGLangError when not a success."""
+        answer = self.post(path, body, timeout_s)
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise SGLangError(f"{self.url}{path} failed: {answer.get('message', answer)}")
+        return answer
+
+    def _call(self, method: str, path: str, body: Any, timeout_s: float | None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"{self.url}{path}", data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        if self.api_key:
+            req.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as err:
+            detail = err.read()[:500].decode(errors="replace")
+            raise SGLangError(f"{method} {self.url}{path}: HTTP {err.code}: {detail}") from err
+        except (urllib.error.URLError, OSError) as err:
+            raise SGLangError(f"{method} {self.url}{path}: server unreachable ({err})") from err
+        if not raw.strip():
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw.decode(errors="replace")
+
+
+def parse_version(value: Any) -> int | None:
+    """Our policy versions are integers; a server still on its launch weights says 'default'."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+class SGLangEngine:
+    """A `RolloutEngine` backed by one SGLang server (any tensor-parallel size)."""
+
+    def __init__(self, client: SGLangClient, pause_mode: str = "in_place") -> None:
+        if pause_mode not in ("abort", "retract", "in_place"):
+            raise ValueError(
+                f"pause_mode must be 'abort', 'retract' or 'in_place', got {pause_mode!r}"
+            )
+        self.client = client
+        self.pause_mode = pause_mode
+        self.version = -1
+        """The newest policy version the server reported (-1: still its launch weights)."""
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, media: list | None = None
+    ) -> list[Completion]:
+        if media is not None:
+            raise ValueError(
+                "the SGLang engine takes text prompts here; media goes to it as image_data/"
+                "audio_data, which the omni rollout path does not send yet"
+            )
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        first = self.version
+        answers = self.client.post(
+            "/generate",
+            {
+                "input_ids": prompts,
+                "sampling_params": sampling_body(params),
+                "return_logprob": True,
+            },
+        )
+        if isinstance(answers, dict):
+            answers = [answers]
+        if not isinstance(answers, list) or len(answers) != len(prompts):
+            got = len(answers) if isinstance(answers, list) else type(answers).__name__
+            raise SGLangError(
+                f"{self.client.url}/generate answered {got} results for {len(prompts)} prompts"
+            )
+        out = [self._completion(a, first, i) for i, a in enumerate(answers)]
+        return out
+
+    def _completion(self, answer: Any, first: int, i: int) -> Completion:
+        try:
+            meta = answer["meta_info"]
+            pairs = meta["output_token_logprobs"]
+            ids = [int(p[1]) for p in pairs]
+            logprobs = [float(p[0]) for p in pairs]
+            finish = meta["finish_reason"]
+            kind = finish["type"] if isinstance(finish, dict) else str(finish)
+        except (KeyError, TypeError, IndexError, ValueError) as err:
+            raise SGLangError(
+                f"{self.client.url}/generate result {i} lacks output_token_logprobs or "
+                f"finish_reason ({type(err).__name__}: {err}); was return_logprob honoured?"
+            ) from err
+        if "output_ids" in answer and list(answer["output_ids"]) != ids:
+            raise SGLangError(
+                f"{self.client.url}/generate result {i}: output_ids and the token ids of "
+                "output_token_logprobs differ"
+            )
+        served = parse_version(meta.get("weight_version"))
+        last = served if served is not None else first
+        self.version = max(self.version, last)
+        start = first if first >= 0 else last
+        return Completion(
+            response_ids=ids,
+            logprobs=logprobs,
+            finish_reason=_FINISH.get(kind, "abort"),
+            policy_version=start,
+            policy_version_max=last if last != start else None,
+        )
+
+    def refresh_version(self) -> int:
+        """Ask the server which weights it serves; updates and returns `version`."""
+        info = self.client.get("/get_model_info")
+        served = parse_version(info.get("weight_version") if isinstance(info, dict) else None)
+        if served is not None:
+            self.version = served
+        return self.version
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        raise NotImplementedError(
+            "an SGLang server receives weights from the trainer's process group "
+            "(sync/sglang.py: /update_weights_from_distributed), not through its rollout client"
+        )
+
+    def pause(self) -> None:
+        self.client.post("/pause_generation", {"mode": self.pause_mode})
+
+    def resume(self) -> None:
+        self.client.post("/continue_generation", {})
+
+    def flush_cache(self) -> None:
+        self.client.post("/flush_cache", {})
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Colocate on one GPU: free weights and KV cache while the trainer runs."""
+        self.client.post_ok("/release_memory_occupation", {"tags": list(tags) if tags else None})
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        self.client.post_ok("/resume_memory_occupation", {"tags": list(tags) if tags else None})
+
+    def health(self) -> dict[str, object]:
+        try:
+            self.client.get("/health", timeout_s=10.0)
+            version = self.refresh_version()
+        except SGLangError as err:
+            return {"alive": False, "url": self.client.url, "error": str(err)}
+        return {"alive": True, "url": self.client.url, "policy_version": version}
+
+    def tp_size(self) -> int:
+        info = self.client.get("/get_server_info")
+        try:
+            return int(info.get("tp_size", 1))
+        except (AttributeError, TypeError, ValueError) as err:
+            raise SGLangError(f"{self.client.url}/get_server_info has no usable tp_size") from err
+
+
+def sampling_body(params: SamplingParams) -> dict[str, Any]:
+    """Our sampling parameters in SGLang's words. Greedy is temperature 0; EOS is never
+    ignored and special tokens stay in the ids (the rollout role detokenizes)."""
+    return {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": 0.0 if params.greedy else params.temperature,
+        "top_p": 1.0 if params.greedy else params.top_p,
+        "skip_special_tokens": False,
+    }
+
+
+def wait_healthy(client: SGLangClient, timeout_s: float, proc: subprocess.Popen | None = None):
+    """Poll `/health` until the server answers; SGLangError naming the cause otherwise."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise SGLangError(f"SGLang server for {client.url} exited with code {proc.returncode}")
+        try:
+            client.get("/health", timeout_s=5.0)
+            return
+        except SGLangError as err:
+            last = str(err)
+        time.sleep(1.0)
+    raise SGLangError(f"SGLang server {client.url} not healthy within {timeout_s:.0f}s: {last}")
+
+
+def launch_server(
+    model_path: str,
+    port: int,
+    tp_size: int = 1,
+    host: str = "127.0.0.1",
+    python: str | None = None,
+    extra_args: Sequence[str] = (),
+    log_path: str | None = None,
+    timeout_s: float = 900.0,
+) -> tuple[subprocess.Popen, SGLangClient]:
+    """Start `python -m sglang.launch_server` (from SGLang's own venv: `python` or
+    $RELAX_SGLANG_PYTHON) and wait until it is healthy. The caller stops the process."""
+    python = python or os.environ.get("RELAX_SGLANG_PYTHON", sys.executable)
+    cmd = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(tp_size),
+        "--skip-tokenizer-init",
+        *extra_args,
+    ]
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    client = SGLangClient(f"http://{host}:{port}")
+    try:
+        wait_healthy(client, timeout_s, proc)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, client

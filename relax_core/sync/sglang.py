@@ -1,0 +1,248 @@
+"""Weight sync from the trainer to SGLang servers, over a process group that SGLang joins itself.
+
+SGLang's documented update path, driven from the trainer (rank 0):
+1. form: ask each server for its `tp_size` (`/get_server_info`), give it `rank_offset` = 1 + the
+   tp sizes before it, and call `/init_weights_update_group {master_address, master_port,
+   rank_offset, world_size, group_name, backend}` on every server at once while this process
+   joins as rank 0 (process_group.py); the calls return once the group is formed.
+2. update version v: `/pause_generation {"mode": "retract"}` (running requests go back to the
+   waiting queue; their KV cache, computed by the old weights, is recomputed by the new ones),
+   then per bucket `/update_weights_from_distributed {names, dtypes, shapes, group_name,
+   load_format: "flattened_bucket"}` on every server while rank 0 broadcasts the bucket as one
+   flat uint8 tensor (tensors back to back, SGLang's FlattenedTensorBucket layout); the last
+   bucket carries `weight_version: "v"` and `flush_cache`; then `/continue_generation`.
+3. the engine set changes (an engine registered or drained): `/destroy_weights_update_group` on
+   the servers that stay, and a new group under a new name, formed at the next update.
+
+Buckets are the same plan as the broadcast transport (buckets.py): one dtype each, at most
+`bucket_bytes`, so the staging a server needs is bounded. NCCL on GPUs, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from relax_core.rollout.sglang_engine import SGLangClient, SGLangEngine, SGLangError
+from relax_core.sync.buckets import (
+    Bucket,
+    NamedTensors,
+    TensorSpec,
+    check_tensors,
+    flatten_into,
+    plan_buckets,
+)
+from relax_core.sync.process_group import free_port, join_weight_group, leave_weight_group
+
+log = logging.getLogger(__name__)
+
+Engines = Sequence[tuple[str, str]] | Callable[[], Sequence[tuple[str, str]]]
+"""(name, URL) of the SGLang servers to keep in sync: fixed, or a function giving them now."""
+
+
+class SGLangSender:
+    """Rank 0 of a weight group whose other ranks are SGLang servers' tensor-parallel ranks."""
+
+    def __init__(
+        self,
+        engines: Engines,
+        specs: list[TensorSpec],
+        bucket_bytes: int = 512 << 20,
+        backend: str = "gloo",
+        host: str = "127.0.0.1",
+        group_name: str = "relax-weights",
+        timeout_s: float = 600.0,
+    ) -> None:
+        self._engines = engines if callable(engines) else (lambda fixed=tuple(engines): fixed)
+        self.specs = list(specs)
+        self.buckets = plan_buckets(self.specs, bucket_bytes)
+        self.backend = backend
+        self.host = host
+        self.base_name = group_name
+        self.timeout_s = timeout_s
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else (torch.device("cpu"))
+        )
+        self.members: list[tuple[str, str]] = []
+        """(name, URL) of the servers in the current group."""
+        self.generation = -1
+        self.group: Any = None
+        self.group_name = ""
+        self.clients: dict[str, SGLangClient] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._buffer: torch.Tensor | None = None
+
+    def wanted(self) -> list[tuple[str, str]]:
+        engines = [(str(n), str(u)) for n, u in self._engines()]
+        names = [n for n, _ in engines]
+        if len(set(names)) != len(names):
+            raise ValueError(f"SGLang engine names repeat: {names}")
+        return engines
+
+    def needs_reform(self) -> bool:
+        return self.wanted() != self.members
+
+    # ------------------------------------------------------------------ lifecycle
+    def init(self) -> None:
+        """Form the group with the servers wanted now (nothing to do without any)."""
+        self._form(self.wanted())
+
+    def push(self, named_tensors: NamedTensors, version: int) -> bool:
+        """Send every weight to every wanted server as `version`, forming the group again
+        first when the set of servers changed. True if it formed a new group."""
+        tensors = check_tensors(self.specs, named_tensors)
+        wanted = self.wanted()
+        reformed = wanted != self.members or self.group is None
+        if reformed:
+            self._form(wanted)
+        if not self.members:
+            return reformed
+        self._each("/pause_generation", {"mode": "retract"})
+        try:
+            with torch.no_grad():
+                for i, bucket in enumerate(self.buckets):
+                    last = i == len(self.buckets) - 1
+                    self._send_bucket(bucket, tensors, version if last else None)
+        finally:
+            self._each("/continue_generation", {})
+        return reformed
+
+    def destroy(self) -> None:
+        self._leave()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    # ------------------------------------------------------------------ internals
+    def _client(self, name: str, url: str) -> SGLangClient:
+        client = self.clients.get(name)
+        if client is None or client.url != url.rstrip("/"):
+            client = self.clients[name] = SGLangClient(url, timeout_s=self.timeout_s)
+        return client
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="sglang-sync")
+        return self._pool
+
+    def _each(self, path: str, body: dict[str, Any]) -> list[Any]:
+        """POST `body` to every member at once; SGLangError naming the first that failed."""
+        futures = [
+            (name, self._executor().submit(self._client(name, url).post_ok, path, body))
+            for name, url in self.members
+        ]
+        return [self._result(name, f) for name, f in futures]
+
+    @staticmethod
+    def _result(name: str, future) -> Any:
+        try:
+            return future.result()
+        except SGLangError as err:
+            raise SGLangError(f"SGLang engine {name}: {err}") from err
+
+    def _form(self, wanted: list[tuple[str, str]]) -> None:
+        self._leave()
+        self.generation += 1
+        self.members = []
+        if not wanted:
+            return
+        sizes = [SGLangEngine(self._client(n, u)).tp_size() for n, u in wanted]
+        world = 1 + sum(sizes)
+        port = free_port(self.host)
+        name = f"{self.base_name}-{self.generation}"
+        offsets = [1 + sum(sizes[:i]) for i in range(len(wanted))]
+        pending = [
+            (
+                n,
+                self._executor().submit(
+                    self._client(n, u).post_ok,
+                    "/init_weights_update_group",
+                    {
+                        "master_address": self.host,
+                        "master_port": port,
+                        "rank_offset": offset,
+                        "world_size": world,
+                        "group_name": name,
+                        "backend": self.backend,
+                    },
+                ),
+            )
+            for (n, u), offset in zip(wanted, offsets, strict=True)
+        ]
+        try:
+            group = join_weight_group(self.backend, self.host, port, world, 0, name, self.timeout_s)
+        except Exception as err:
+            failures = []
+            for n, future in pending:
+                with contextlib.suppress(Exception):
+                    self._result(n, future)
+                    continue
+                failures.append(n)
+            raise SGLangError(
+                f"SGLang weight group {name!r} did not form with {[n for n, _ in wanted]} "
+                f"(world size {world}, rendezvous {self.host}:{port}; engines that failed to "
+                f"join: {failures or 'none reported'}): {err}"
+            ) from err
+        for n, future in pending:
+            self._result(n, future)
+        self.group, self.group_name, self.members = group, name, list(wanted)
+        log.info("SGLang weight group %s formed: %s (world size %d)", name, wanted, world)
+
+    def _leave(self) -> None:
+        if self.group is None:
+            return
+        for name, url in self.members:
+            with contextlib.suppress(SGLangError):
+                self._client(name, url).post(
+                    "/destroy_weights_update_group", {"group_name": self.group_name}, 30.0
+                )
+        leave_weight_group(self.group)
+        self.group = None
+
+    def _send_bucket(
+        self, bucket: Bucket, tensors: dict[str, torch.Tensor], version: int | None
+    ) -> None:
+        body: dict[str, Any] = {
+            "names": [s.name for s in bucket.specs],
+            "dtypes": [s.dtype for s in bucket.specs],
+            "shapes": [list(s.shape) for s in bucket.specs],
+            "group_name": self.group_name,
+            "load_format": "flattened_bucket",
+            "flush_cache": version is not None,
+        }
+        if version is not None:
+            body["weight_version"] = str(version)
+        futures = [
+            (
+                n,
+                self._executor().submit(
+                    self._client(n, u).post_ok, "/update_weights_from_distributed", body
+                ),
+            )
+            for n, u in self.members
+        ]
+        dist.broadcast(self._flat_bytes(bucket, tensors), src=0, group=self.group)
+        for n, future in futures:
+            self._result(n, future)
+
+    def _flat_bytes(self, bucket: Bucket, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The bucket's tensors back to back, as one uint8 tensor."""
+        if len(bucket.specs) == 1:
+            tensor = tensors[bucket.specs[0].name].detach()
+            if tensor.is_contiguous() and tensor.device == self.device:
+                return tensor.reshape(-1).view(torch.uint8)
+        if self._buffer is None or self._buffer.numel() < bucket.nbytes:
+            self._buffer = torch.empty(
+                max(b.nbytes for b in self.buckets), dtype=torch.uint8, device=self.device
+            )
+        flat = self._buffer[: bucket.nbytes]
+        flatten_into(bucket, tensors, flat.view(bucket.specs[0].torch_dtype))
+        return flat
