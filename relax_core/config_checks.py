@@ -196,11 +196,13 @@ def validate(cfg: RunConfig) -> list[str]:
     r = cfg.rollout
     _choice(e, "rollout.engine", r.engine, ENGINES)
     if r.engine == "sglang":
-        # The cluster graph (rollout pod with an SGLang sidecar) is in place; the engine client
-        # that drives it is not, so refuse here rather than in a pod on a cluster.
+        # The cluster graph (rollout pod with an SGLang sidecar) and the engine client are in
+        # place; the rollout service does not yet start from its sidecar, so refuse here
+        # rather than in a pod on a cluster.
         e.append(
-            "rollout.engine: 'sglang' is not available in this build (its HTTP engine client "
-            "is not implemented yet); use 'torch'"
+            "rollout.engine: 'sglang' is not available in this build (rollout workers do not "
+            "yet drive their pod's sidecar); use 'torch', and add running SGLang servers to an "
+            "async run with `relax scale RUN --add-url URL`"
         )
     if r.n_samples_per_prompt < 2:
         e.append("rollout.n_samples_per_prompt: must be >= 2 (GRPO compares responses in a group)")

@@ -12,8 +12,10 @@ What an operation does (the local launcher's engines are torch-engine rollout pr
   started with are protected: the pool never shrinks below them.
 - cancel: a scale-out stops the engines not yet taking work (drained the same way); a scale-in
   keeps the engines still draining.
-External engines (registering SGLang server URLs) need the SGLang rollout client, which this
-build does not have yet; such requests are refused with 400.
+- external engines: `{"urls": [...]}` registers running SGLang servers (answering /health). Each
+  gets a worker number and a rollout process that drives it over HTTP; the trainer sends it
+  weights through SGLang's weight group, and it takes work once it is in that group. Scale-in
+  and drain treat it like a local engine (the server itself keeps running: it is not ours).
 
 `ElasticPool` is the state machine: API threads validate and record requests under its lock,
 and the launcher's watch loop acts on them (`tick`), so processes are only started from the
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -90,6 +93,30 @@ def _fields(body: Any, allowed: tuple[str, ...]) -> dict[str, Any]:
     return body
 
 
+_URL = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+(:[0-9]{1,5})?")
+
+
+def _urls(value: Any) -> list[str]:
+    if not isinstance(value, list) or not value or not all(isinstance(u, str) for u in value):
+        raise ApiError(400, f'"urls" must be a non-empty list of http(s) URLs, got {value!r}')
+    urls = [u.rstrip("/") for u in value]
+    bad = [u for u in urls if not _URL.fullmatch(u)]
+    if bad:
+        raise ApiError(400, f"not an http(s)://host:port URL of an SGLang server: {bad}")
+    if len(set(urls)) != len(urls):
+        raise ApiError(400, f'"urls" names a server twice: {urls}')
+    return urls
+
+
+def _probe(url: str) -> None:
+    from relax_core.rollout.sglang_engine import SGLangClient, SGLangError
+
+    try:
+        SGLangClient(url, timeout_s=5.0).get("/health")
+    except SGLangError as err:
+        raise ApiError(400, f"{url} does not answer as an SGLang server: {err}") from err
+
+
 def _count(value: Any, what: str, low: int, high: int) -> int:
     if type(value) is not int:  # bool is an int subclass: refused too
         raise ApiError(400, f"{what} must be an integer, got {json.dumps(value)}")
@@ -147,33 +174,70 @@ class ElasticPool:
             return self._op(kind, op_id).to_json()
 
     def scale_out(self, body: Any) -> tuple[int, dict[str, Any]]:
-        if isinstance(body, dict) and "engines" in body:
+        body = _fields(body, ("target", "urls"))
+        if ("target" in body) == ("urls" in body):
             raise ApiError(
                 400,
-                "registering external engines (SGLang server URLs) needs the SGLang rollout "
-                'client, which this build does not have yet; add local engines with {"target": N}',
+                'give exactly one of "target" (local engines in all) or "urls" (SGLang servers)',
             )
-        target = _count(_fields(body, ("target",)).get("target"), "target", 1, self.max_engines)
+        if "urls" in body:
+            return self._register(body)
+        target = _count(body["target"], "target", 1, self.max_engines)
         with self.lock:
             if (same := self._busy("scale_out", body)) is not None:
                 return 200, same
             live = self._live()
             if target <= len(live):
                 return 200, self._nothing(f"the pool has {len(live)} engine(s); none to add")
-            names = []
-            for _ in range(target - len(live)):
-                worker, self.next_worker = self.next_worker, self.next_worker + 1
-                name = engine_name(worker)
-                self.engines[name] = {
-                    "name": name,
-                    "worker": worker,
-                    "startup": False,
-                    "state": "starting",
-                }
-                self._to_start.append(worker)
-                names.append(name)
+            names = [self._add() for _ in range(target - len(live))]
             write_pool(self.queue, self._pool_rows())
             return 202, self._begin("scale_out", body, names, target).to_json()
+
+    def _register(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """External engines: SGLang servers already running, driven by a rollout process each
+        and synced through the trainer's SGLang weight group. A URL already live in the pool
+        is not added again; an unreachable one refuses the whole request."""
+        urls = _urls(body["urls"])
+        if self.cfg.services.weight_sync != "broadcast":
+            raise ApiError(
+                400,
+                "external SGLang engines receive weights over a process group: they need "
+                f"services.weight_sync 'broadcast' (this run uses {self.cfg.services.weight_sync!r})",
+            )
+        with self.lock:
+            if (same := self._busy("scale_out", body)) is not None:
+                return 200, same
+            live = self._live()
+            known = {e.get("url") for e in live}
+            new = [u for u in urls if u not in known]
+            if not new:
+                return 200, self._nothing("every URL is a live engine of the pool already")
+            if len(live) + len(new) > self.max_engines:
+                raise ApiError(
+                    400,
+                    f"{len(new)} more engine(s) would make {len(live) + len(new)}, over "
+                    f"services.max_rollout_workers {self.max_engines}",
+                )
+        # Outside the lock: a probe may take seconds, and /engines must stay answerable.
+        for url in new:
+            _probe(url)
+        with self.lock:
+            if (same := self._busy("scale_out", body)) is not None:
+                return 200, same
+            names = [self._add(url) for url in new]
+            write_pool(self.queue, self._pool_rows())
+            target = len(self._live())
+            return 202, self._begin("scale_out", body, names, target).to_json()
+
+    def _add(self, url: str | None = None) -> str:
+        worker, self.next_worker = self.next_worker, self.next_worker + 1
+        name = engine_name(worker)
+        entry = {"name": name, "worker": worker, "startup": False, "state": "starting"}
+        if url:
+            entry["url"] = url
+        self.engines[name] = entry
+        self._to_start.append(worker)
+        return name
 
     def scale_in(self, body: Any) -> tuple[int, dict[str, Any]]:
         body = _fields(body, ("target", "engines"))

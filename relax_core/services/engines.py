@@ -1,8 +1,14 @@
 """The rollout engine pool of an async run, as every role sees it on the run's object store.
 
-    control/engines        {"engines": [{"name", "worker", "startup", "state"}, ...]}: the pool,
-                           written only by whoever scales it (the local supervisor)
+    control/engines        {"engines": [{"name", "worker", "startup", "state", "url"?}, ...]}:
+                           the pool, written only by whoever scales it (the local supervisor)
     control/drain/{name}   asks engine `name` to take no more work, commit what it admitted, exit 0
+    control/sglang_sync    {"members", "version", "generation"}: the SGLang servers in the
+                           trainer's SGLang weight group, written once they hold `version`
+
+An engine with a `url` is an external SGLang server: its rollout process drives it over HTTP
+(rollout/sglang_engine.py) and the trainer sends it weights through SGLang's own weight group
+(sync/sglang.py), not the broadcast group, so it is not a broadcast member.
 
 States: `starting` (process up, not yet holding the trainer's weights), `active` (taking work),
 `draining` (finishing what it admitted; no longer a weight-sync member), `removed` (exited after a
@@ -25,6 +31,7 @@ from relax_core.services.weights import member_name
 
 POOL = "control/engines"
 DRAIN = "control/drain"
+SGLANG_SYNC = "control/sglang_sync"
 STATES = ("starting", "active", "draining", "removed")
 
 
@@ -60,7 +67,38 @@ def weight_members(cfg: RunConfig, queue: TransferQueue) -> list[str]:
     not draining or removed, in worker order (ranks follow this order)."""
     members = [member_name("actor_fwd", 0)] if cfg.services.actor_fwd else []
     engines = sorted(read_pool(cfg, queue), key=lambda e: e["worker"])
-    return members + [e["name"] for e in engines if e["state"] in ("starting", "active")]
+    return members + [
+        e["name"] for e in engines if e["state"] in ("starting", "active") and not e.get("url")
+    ]
+
+
+def external_engines(cfg: RunConfig, queue: TransferQueue) -> list[tuple[str, str]]:
+    """(name, URL) of the SGLang servers that receive the trainer's weights now, in worker
+    order: every external engine that is not draining or removed."""
+    engines = sorted(read_pool(cfg, queue), key=lambda e: e["worker"])
+    return [
+        (e["name"], e["url"])
+        for e in engines
+        if e["state"] in ("starting", "active") and e.get("url")
+    ]
+
+
+def pool_entry(cfg: RunConfig, queue: TransferQueue, name: str) -> dict[str, Any] | None:
+    return next((e for e in read_pool(cfg, queue) if e["name"] == name), None)
+
+
+def write_sglang_sync(queue: TransferQueue, members: list[str], version: int, generation: int):
+    record = {"members": members, "version": version, "generation": generation}
+    queue.store.write_replace(SGLANG_SYNC, json.dumps(record).encode())
+
+
+def sglang_synced(queue: TransferQueue, name: str) -> bool:
+    """Whether external engine `name` is in the trainer's SGLang weight group (so it holds the
+    trainer's weights)."""
+    try:
+        return name in json.loads(queue.store.read_bytes(SGLANG_SYNC))["members"]
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return False
 
 
 def request_drain(queue: TransferQueue, name: str) -> None:

@@ -127,64 +127,28 @@ def serve(ctx) -> None:
     """
     import contextlib
     import os
-    import threading
 
     from relax_core.data.dataset import load_prompts
-    from relax_core.models.policy import load_policy
     from relax_core.queue import AdmissionLedger, rows_to_table
     from relax_core.rewards.registry import build_reward
-    from relax_core.rollout.torch_engine import TorchEngine
     from relax_core.services.cores import CoreShare
-    from relax_core.services.engines import drain_requested
+    from relax_core.services.engines import drain_requested, pool_entry
     from relax_core.services.prompts import PromptSource
     from relax_core.services.role import set_threads
-    from relax_core.services.weights import make_receiver
-    from relax_core.sync import apply_update
-    from relax_core.sync.buckets import specs_of
     from relax_core.train.checkpoint import read_state
 
     cfg, s, r = ctx.cfg, ctx.cfg.services, ctx.cfg.rollout
     set_threads(s.rollout_threads)
-    model, tokenizer = load_policy(ctx.checkpoint, cfg.model.dtype)
-    version = int(read_state(ctx.checkpoint)["policy_version"])
-    # Distinct sampling streams per worker and per (re)start version.
-    engine = TorchEngine(
-        model,
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-        seed=cfg.seed * 1_000_003 + ctx.worker * 7919 + version,
-    )
-    engine.version = version
-    receiver = make_receiver(
-        cfg, ctx.queue, specs_of(model.named_parameters()), "rollout", ctx.worker
-    )
+    entry = pool_entry(cfg, ctx.queue, ctx.name) if ctx.worker >= s.rollout_workers else None
+    url = (entry or {}).get("url")
+    if url:
+        engine, weights, tokenizer = _served_engine(ctx, url)
+    else:
+        engine, weights, tokenizer = _local_engine(ctx, read_state(ctx.checkpoint))
     # Joining waits for the trainer (still importing, opening its MLflow run); generation under
     # the checkpoint's weights need not wait for it.
-    joined: list[BaseException | None] = []
-
-    def join() -> None:
-        try:
-            receiver.init()
-            receiver.start()
-            joined.append(None)
-        except BaseException as exc:  # re-raised by the generation loop
-            joined.append(exc)
-
-    joiner = threading.Thread(target=join, name="weight-sync-join", daemon=True)
-    joiner.start()
-
-    def apply_pending() -> bool:
-        if not joined:
-            return False
-        if joined[0] is not None:
-            raise RuntimeError("rollout could not join weight sync") from joined[0]
-        update = receiver.take()
-        if update is None:
-            return False
-        apply_update(engine, update, receiver.release)
-        ctx.status["policy_version"] = engine.version
-        return True
-
+    weights.start()
+    apply_pending = weights.apply_pending
     if r.partial_rollout:
         engine.weight_poll = apply_pending
     reward_fn = build_reward(
@@ -215,11 +179,8 @@ def serve(ctx) -> None:
         # Added by scaling out: its checkpoint's weights may be many versions old.
         ctx.status["state"] = "waiting for the trainer's weights"
         ctx.beat()
-        while not ctx.stopped() and not drain() and not apply_pending():
-            if joined:
-                receiver.wait(timeout=0.05)
-            else:
-                joiner.join(timeout=0.05)
+        while not ctx.stopped() and not drain() and not weights.holds_trainer_weights():
+            weights.wait(0.05)
     ctx.status["taking_work"] = True
     ctx.beat()  # the supervisor marks a new engine active on this beat
     waited, wait_start = 0.0, None
@@ -244,10 +205,7 @@ def serve(ctx) -> None:
                     wait_start = time.perf_counter()
                     ctx.status["state"] = f"at the staleness bound ({first} groups started)"
                     ctx.beat()  # waiting is news: `relax queue` shows it now, not a beat later
-                if joined:
-                    receiver.wait(timeout=0.05)
-                else:
-                    joiner.join(timeout=0.05)
+                weights.wait(0.05)
                 continue
             if wait_start is not None:
                 waited += time.perf_counter() - wait_start
@@ -284,21 +242,56 @@ def serve(ctx) -> None:
                 },
             )
     finally:
-        # Never joined: nothing to leave (a daemon thread).
-        if joined and joined[0] is None and not drained:
-            receiver.destroy()
+        weights.close(drained, s.start_timeout_s)
     if drained:
-        # The trainer leaves a draining engine out of its next generation; exiting while still
-        # in the old one would tear gloo down under its receive (the process aborts).
-        deadline = time.monotonic() + s.start_timeout_s
-        while getattr(receiver, "in_group", False) and time.monotonic() < deadline:
-            time.sleep(0.05)
         log.info("%s drained: every group it admitted is committed", ctx.name)
         ctx.status["state"] = "drained"
         ctx.status["taking_work"] = False
 
 
 _DRAIN_CHECK_S = 0.5
+
+
+def _local_engine(ctx, state: dict[str, Any]):
+    """A torch engine on the checkpoint's policy, fed by the trainer's weight transport."""
+    from relax_core.models.policy import load_policy
+    from relax_core.rollout.torch_engine import TorchEngine
+    from relax_core.services.engine_weights import LocalWeights
+    from relax_core.services.weights import make_receiver
+    from relax_core.sync.buckets import specs_of
+
+    cfg = ctx.cfg
+    model, tokenizer = load_policy(ctx.checkpoint, cfg.model.dtype)
+    version = int(state["policy_version"])
+    # Distinct sampling streams per worker and per (re)start version.
+    engine = TorchEngine(
+        model,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        seed=cfg.seed * 1_000_003 + ctx.worker * 7919 + version,
+    )
+    engine.version = version
+    receiver = make_receiver(
+        cfg, ctx.queue, specs_of(model.named_parameters()), "rollout", ctx.worker
+    )
+    return engine, LocalWeights(engine, receiver, ctx.status), tokenizer
+
+
+def _served_engine(ctx, url: str):
+    """An external SGLang server, driven over HTTP; only the tokenizer is loaded here."""
+    from transformers import AutoTokenizer
+
+    from relax_core.rollout.sglang_engine import SGLangClient, SGLangEngine
+    from relax_core.services.engine_weights import ServedWeights
+    from relax_core.services.engines import sglang_synced
+
+    tokenizer = AutoTokenizer.from_pretrained(ctx.checkpoint)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    engine = SGLangEngine(SGLangClient(url, timeout_s=ctx.cfg.services.start_timeout_s))
+    weights = ServedWeights(engine, lambda: sglang_synced(ctx.queue, ctx.name), ctx.status)
+    log.info("%s drives the SGLang server at %s", ctx.name, url)
+    return engine, weights, tokenizer
 
 
 class _Throttled:

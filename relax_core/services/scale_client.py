@@ -2,6 +2,7 @@
 
     relax scale RUN                      the engine pool and the operation in progress
     relax scale RUN --out 3 [--wait]     grow the pool to 3 engines
+    relax scale RUN --add-url URL...     register running SGLang servers as engines
     relax scale RUN --in 1 [--wait]      shrink it to 1 (drained first; startup engines stay)
     relax scale RUN --remove rollout-3   remove named engines
     relax scale RUN --cancel             cancel the operation in progress
@@ -63,6 +64,10 @@ class ScaleClient:
     def scale_out(self, target: int) -> dict[str, Any]:
         return self.call("POST", "/scale_out", {"target": target})[1]
 
+    def register(self, urls: list[str]) -> dict[str, Any]:
+        """Add running SGLang servers to the pool (external engines)."""
+        return self.call("POST", "/scale_out", {"urls": list(urls)})[1]
+
     def scale_in(self, target: int | None = None, engines: list[str] | None = None):
         body = {"target": target} if engines is None else {"engines": engines}
         return self.call("POST", "/scale_in", body)[1]
@@ -89,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoints", default=".relax/checkpoints", help="checkpoint.dir")
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--out", type=int, metavar="N", help="grow the pool to N engines")
+    what.add_argument(
+        "--add-url", nargs="+", metavar="URL", help="register running SGLang servers as engines"
+    )
     what.add_argument("--in", dest="in_", type=int, metavar="N", help="shrink the pool to N")
     what.add_argument("--remove", nargs="+", metavar="ENGINE", help="remove these engines")
     what.add_argument("--cancel", action="store_true", help="cancel the running operation")
@@ -97,9 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _print_pool(pool: dict[str, Any]) -> None:
     for e in pool["engines"]:
-        startup = "startup" if e["startup"] else "added"
+        startup = "startup" if e["startup"] else ("sglang" if e.get("url") else "added")
         version = "-" if e["policy_version"] is None else f"v{e['policy_version']}"
-        print(f"{e['name']:<12} {e['state']:<9} {startup:<8} {version:<6} {e['doing'] or ''}")
+        where = f" {e['url']}" if e.get("url") else ""
+        print(
+            f"{e['name']:<12} {e['state']:<9} {startup:<8} {version:<6} {e['doing'] or ''}{where}"
+        )
     op = pool["operation"]
     if op:
         print(f"operation {op['kind']} {op['id']}: {op['status']} {op['message']}")
@@ -111,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
         client = ScaleClient.for_run(run_dir)
         if args.out is not None:
             op = client.scale_out(args.out)
+        elif args.add_url:
+            op = client.register(args.add_url)
         elif args.in_ is not None:
             op = client.scale_in(target=args.in_)
         elif args.remove:

@@ -4,6 +4,8 @@ The trainer is rank 0 of the broadcast group; its members are named `{role}-{wor
 (when on) first, then the rollout engines of the pool that are not draining, in worker order
 (`engines.weight_members`, read again before every update, so the group follows the elastic
 pool). With the object-store transport there are no members: every receiver polls `weights/`.
+External engines (SGLang servers registered by URL) get the same updates through SGLang's own
+weight group (`TrainerSync`, sync/sglang.py).
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ def make_sender(cfg: RunConfig, queue: TransferQueue, specs: list[Any]):
         import socket
 
         host = socket.gethostbyname(socket.gethostname())
-    from relax_core.services.engines import weight_members
+    from relax_core.services.engines import external_engines, weight_members
+    from relax_core.sync.sglang import SGLangSender
 
-    return BroadcastSender(
+    broadcast = BroadcastSender(
         queue.store,
         GROUP,
         lambda: weight_members(cfg, queue),
@@ -60,6 +63,53 @@ def make_sender(cfg: RunConfig, queue: TransferQueue, specs: list[Any]):
         host=host,
         timeout_s=s.start_timeout_s,
     )
+    sglang = SGLangSender(
+        lambda: external_engines(cfg, queue),
+        specs,
+        bucket_bytes=s.bucket_mb << 20,
+        backend=_backend(cfg),
+        host=host,
+        timeout_s=s.start_timeout_s,
+    )
+    return TrainerSync(broadcast, sglang, queue)
+
+
+class TrainerSync:
+    """The trainer's two weight groups as one sender: the broadcast group (actor_fwd and torch
+    engines) and SGLang's group (external engines; formed when the first one registers).
+    After an update that changed the SGLang group, `control/sglang_sync` names its members, so
+    a new external engine's rollout process knows its server holds the trainer's weights."""
+
+    def __init__(self, broadcast: Any, sglang: Any, queue: TransferQueue) -> None:
+        self.broadcast, self.sglang, self.queue = broadcast, sglang, queue
+
+    @property
+    def generation(self) -> int:
+        return self.broadcast.generation
+
+    def init(self) -> None:
+        self.broadcast.init()
+
+    def needs_reform(self) -> bool:
+        return self.broadcast.needs_reform() or self.sglang.needs_reform()
+
+    def push_or_reform(self, named_tensors: Any, version: int) -> bool:
+        from relax_core.services.engines import write_sglang_sync
+
+        named = list(named_tensors)
+        # SGLang servers first: their rollout processes learn of a new version by polling, the
+        # broadcast members at once; the other order would hand every admission the new
+        # version opens to the broadcast members.
+        if self.sglang.push(named, version):
+            members = [name for name, _ in self.sglang.members]
+            write_sglang_sync(self.queue, members, version, self.sglang.generation)
+        return self.broadcast.push_or_reform(named, version)
+
+    def destroy(self) -> None:
+        try:
+            self.broadcast.destroy()
+        finally:
+            self.sglang.destroy()
 
 
 def make_receiver(cfg: RunConfig, queue: TransferQueue, specs: list[Any], role: str, worker: int):

@@ -100,6 +100,8 @@ class SGLangSender:
         first when the set of servers changed. True if it formed a new group."""
         tensors = check_tensors(self.specs, named_tensors)
         wanted = self.wanted()
+        if not wanted and not self.members:
+            return False
         reformed = wanted != self.members or self.group is None
         if reformed:
             self._form(wanted)

@@ -63,6 +63,7 @@ class FakeSGLang:
         self.cond = threading.Condition()
         self.paused = False
         self.running = 0
+        self.waiting = 0
         self.model_lock = threading.Lock()
         self.generate_delay_s = generate_delay_s
 
@@ -87,8 +88,10 @@ class FakeSGLang:
             greedy=temperature == 0,
         )
         with self.cond:  # a paused server queues new requests (retract/in_place) until continue
+            self.waiting += 1
             while self.paused:
                 self.cond.wait()
+            self.waiting -= 1
             self.running += 1
         try:
             with self.model_lock:
@@ -178,11 +181,13 @@ class FakeSGLang:
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest(f"Invalid mode: {mode!r}")
         with self.cond:
-            self.paused = True
-            # retract: running requests go back to the queue; here they finish their (short)
-            # step first, so no generation overlaps the update.
-            while self.running:
+            # Requests queued before this pause run first (SGLang serves a retracted request
+            # after continue; here that is before the next pause, so a trainer that updates
+            # many times a second cannot starve generation), then no generation overlaps the
+            # update.
+            while self.waiting or self.running:
                 self.cond.wait()
+            self.paused = True
         self.event("pause", mode)
         return {"success": True, "message": "paused"}
 

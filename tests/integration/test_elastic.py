@@ -18,12 +18,15 @@ import time
 import pytest
 
 from relax_core.queue import TransferQueue
+from relax_core.rollout.sglang_engine import SGLangClient, wait_healthy
 from relax_core.services.audit import audit_run
 from relax_core.services.scale_client import ScaleApiError, ScaleClient
 from relax_core.train.checkpoint import find_resume_checkpoint, read_state
+from tests.s3servers import free_ports
 
 pytestmark = pytest.mark.integration
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVICES = {"trainer_threads": 1, "poll_s": 0.002, "heartbeat_s": 0.2}
 
 
@@ -115,6 +118,84 @@ def test_engines_scale_out_and_in_mid_run_and_no_group_is_lost(small_config, wor
         recovery = json.load(f)
     assert [op["status"] for op in recovery["scale_operations"]] == ["succeeded", "succeeded"]
     assert recovery["events"] == []  # nothing failed on the way
+    audit = audit_run(queue, state)
+    assert audit["lost_groups"] == 0 and audit["duplicated_groups"] == 0, audit
+    assert audit["trained_groups"] == total * 4
+
+
+def test_an_sglang_server_registered_by_url_takes_work_with_the_trainers_weights(
+    small_config, workdir
+):
+    """External mode: a running server speaking SGLang's HTTP API (fake_sglang.py: real torch
+    generation, a real gloo weight group) is registered mid-run, gets the trainer's weights
+    through SGLang's weight group, generates groups, and is drained without losing one."""
+    total = 1000
+    cfg = small_config(
+        "x.yaml",
+        run_name="x",
+        mode="async",
+        rollout={"max_staleness": 4},
+        train={"total_steps": total, "checkpoint_every": 500},
+        services=SERVICES,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relax_core.services.run", "--cfg", cfg],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    api_file = _wait(
+        "the scaling API", lambda: glob.glob(".relax/checkpoints/*/scale_api.json"), proc
+    )[0]
+    run_dir = os.path.dirname(api_file)
+    queue = TransferQueue(".relax/queue", os.path.basename(run_dir))
+    client = ScaleClient.for_run(run_dir)
+    _wait("step 10", lambda: _trainer_version(queue) >= 10, proc)
+    (port,) = free_ports(1)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.integration.fake_sglang",
+            "--port",
+            str(port),
+            "--checkpoint",
+            os.path.abspath(find_resume_checkpoint(".relax/checkpoints", "x")),
+        ],
+        cwd=ROOT,
+    )
+    sglang = SGLangClient(f"http://127.0.0.1:{port}")
+    try:
+        wait_healthy(sglang, 120, server)
+        asked_at = _trainer_version(queue)
+        op = client.register([sglang.url])
+        assert op["status"] == "running" and op["engines"] == ["rollout-1"]
+        done = client.wait(op, timeout_s=240, poll_s=0.1)
+        assert done["status"] == "succeeded", done
+        pool = {e["name"]: e for e in client.engines()["engines"]}
+        assert pool["rollout-1"]["url"] == sglang.url and pool["rollout-1"]["state"] == "active"
+        _wait("rollout-1's groups", lambda: len(_entries_of(queue, "rollout-1")) >= 3, proc)
+        served = int(sglang.get("/get_model_info")["weight_version"])
+        assert served >= asked_at  # the trainer's weights, not the server's launch weights
+        kinds = [e[1] for e in sglang.get("/relax_test/events")]
+        assert kinds.count("update_end") >= 2 and kinds.count("generate_end") >= 3
+
+        op = client.scale_in(engines=["rollout-1"])
+        done = client.wait(op, timeout_s=240, poll_s=0.1)
+        assert done["status"] == "succeeded", done
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out
+    finally:
+        server.kill()
+        server.wait()
+        if proc.poll() is None:
+            proc.kill()
+
+    state = read_state(find_resume_checkpoint(".relax/checkpoints", "x"))
+    assert state["policy_version"] == total
+    added = _entries_of(queue, "rollout-1")
+    assert added and min(m["policy_version"] for m in added) >= asked_at
     audit = audit_run(queue, state)
     assert audit["lost_groups"] == 0 and audit["duplicated_groups"] == 0, audit
     assert audit["trained_groups"] == total * 4

@@ -10,18 +10,22 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from relax_core.config import RunConfig, replace
 from relax_core.queue import TransferQueue
 from relax_core.services.elastic import ElasticPool
-from relax_core.services.engines import POOL, weight_members
+from relax_core.services.engines import POOL, external_engines, weight_members
 from relax_core.services.scale_api import ScaleServer, write_api_file
+from tests.s3servers import free_ports
 
 TOKEN = "s3cret-token"
+(DEAD_PORT,) = free_ports(1)
 
 
 class RecordingHost:
@@ -102,7 +106,13 @@ def test_requests_without_the_token_are_refused_and_change_nothing(api, token):
         ("/scale_out", {"target": True}, "target must be an integer, got true"),
         ("/scale_out", {"target": 9}, "target must be 1..4, got 9"),
         ("/scale_out", {"target": 2, "fast": 1}, "unknown field(s) ['fast']"),
-        ("/scale_out", {"engines": ["http://10.0.0.7:30000"]}, "SGLang"),
+        ("/scale_out", {}, 'exactly one of "target"'),
+        ("/scale_out", {"engines": ["http://10.0.0.7:30000"]}, "unknown field(s) ['engines']"),
+        ("/scale_out", {"urls": "http://10.0.0.7:30000"}, "must be a non-empty list"),
+        ("/scale_out", {"urls": ["ftp://10.0.0.7"]}, "not an http(s)://host:port URL"),
+        ("/scale_out", {"urls": ["http://a:1", "http://a:1/"]}, "names a server twice"),
+        ("/scale_out", {"target": 2, "urls": ["http://a:1"]}, 'exactly one of "target"'),
+        ("/scale_out", {"urls": [f"http://127.0.0.1:{DEAD_PORT}"]}, "does not answer as an SGLang"),
         ("/scale_in", {}, 'exactly one of "target"'),
         ("/scale_in", {"target": 1, "engines": ["rollout-0"]}, 'exactly one of "target"'),
         ("/scale_in", {"engines": ["rollout-0"]}, "started with the run and are protected"),
@@ -222,3 +232,52 @@ def test_relax_scale_shows_grows_and_explains_a_missing_run(api, tmp_path, capsy
     assert json.loads(capsys.readouterr().out)["status"] == "cancelling"
     assert main(["scale", str(tmp_path / "gone")]) == 2
     assert "scale_api.json does not exist" in capsys.readouterr().err
+
+
+@pytest.fixture
+def sglang_health():
+    """A server that answers GET /health as SGLang does (200, empty body)."""
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_registering_sglang_servers_by_url(api, sglang_health):
+    server, pool, host, queue, cfg = api
+    body = {"urls": [sglang_health + "/"]}
+    code, op, _ = call(server, "POST", "/scale_out", body)
+    assert code == 202 and op["engines"] == ["rollout-1"] and op["target"] == 2
+    assert call(server, "POST", "/scale_out", body)[:2] == (200, op)  # a retry: the same op
+    pool.tick({})
+    assert host.started == [1]  # its rollout process, which drives the server over HTTP
+    # Weights reach it through SGLang's group, not the broadcast group.
+    assert weight_members(cfg, queue) == ["rollout-0"]
+    assert external_engines(cfg, queue) == [("rollout-1", sglang_health)]
+    _taking_work(pool, host, "rollout-1")
+    assert call(server, "GET", f"/scale_out/{op['id']}")[1]["status"] == "succeeded"
+    code, answer, _ = call(server, "POST", "/scale_out", {"urls": [sglang_health]})
+    assert code == 200 and answer["id"] is None and "already" in answer["message"]
+    code, op, _ = call(server, "POST", "/scale_in", {"engines": ["rollout-1"]})
+    assert code == 202 and external_engines(cfg, queue) == []
+
+
+def test_registering_urls_needs_the_broadcast_transport(tmp_path, sglang_health):
+    cfg = replace(RunConfig(), mode="async", services={"weight_sync": "object_store"})
+    queue = TransferQueue(str(tmp_path / "q"), "run")
+    server = ScaleServer(ElasticPool(cfg, queue, RecordingHost()), "127.0.0.1", 0, TOKEN)
+    try:
+        code, answer, _ = call(server, "POST", "/scale_out", {"urls": [sglang_health]})
+        assert code == 400 and "services.weight_sync 'broadcast'" in answer["error"]
+    finally:
+        server.close()
