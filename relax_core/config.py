@@ -26,7 +26,8 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ModelConfig:
     kind: str = "tiny-qwen3"
-    """'tiny-qwen3' (built in code, char tokenizer, no download) or 'pretrained'."""
+    """'tiny-qwen3' (built in code, char tokenizer, no download), 'tiny-omni' (the tiny LM with
+    image, audio and video encoders; models/omni.py) or 'pretrained'."""
     source: str = ""
     """For kind=pretrained: 'gguf-package:<pkg>', 'gguf:<file>' or an HF model directory."""
     hidden_size: int = 128
@@ -45,6 +46,20 @@ class ModelConfig:
     """Tiny model: rotary position base (100 learned worse than 10000 on cpu-default)."""
     dtype: str = "float32"
     """Parameter dtype for rollout and training."""
+    image_size: int = 32
+    """tiny-omni: images (and video frames) are resized to image_size x image_size pixels."""
+    patch_size: int = 8
+    """tiny-omni: square patch side; an image takes (image_size / patch_size)^2 tokens."""
+    audio_rate: int = 8000
+    """tiny-omni: audio is resampled to this rate (Hz) before log-mel features."""
+    n_mels: int = 32
+    """tiny-omni: mel bands of the audio features."""
+    audio_tokens: int = 8
+    """tiny-omni: tokens one audio clip takes in the prompt."""
+    video_frames: int = 8
+    """tiny-omni: frames sampled per video (short clips repeat their last frame)."""
+    video_fps: float = 8.0
+    """tiny-omni: frame sampling rate of videos and frame folders."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +86,16 @@ class DataConfig:
     """Shuffle prompts each epoch (deterministic from the seed and the epoch)."""
     eval_size: int = 256
     """Number of eval prompts used (0 = all)."""
+    max_media_bytes: int = 64 << 20
+    """Media files larger than this are refused (the row is quarantined) before decoding."""
+    max_image_pixels: int = 4096 * 4096
+    """Images (and video frames) with more pixels are refused."""
+    max_audio_seconds: float = 60.0
+    """Longer audio clips are refused."""
+    max_video_seconds: float = 60.0
+    """Longer videos are refused."""
+    max_video_frames: int = 64
+    """Frame folders with more frames are refused (videos are sampled to model.video_frames)."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ MODES = ("colocate", "async")
 LAUNCHES = ("processes", "tasks")
 WEIGHT_SYNCS = ("broadcast", "object_store")
 SYNC_BACKENDS = ("auto", "gloo", "nccl")
-MODEL_KINDS = ("tiny-qwen3", "pretrained")
+MODEL_KINDS = ("tiny-qwen3", "tiny-omni", "pretrained")
 TEMPLATES = ("plain", "chat")
 LOSSES = ("grpo", "gspo", "sapo", "decoupled_ppo")
 ADVANTAGES = ("grpo", "none")
@@ -181,7 +181,22 @@ def validate(cfg: RunConfig) -> list[str]:
             f"tracking.registered_model: {name!r} must be letters, digits, '.', '_' or '-' "
             "(it becomes part of a models:/ URI)"
         )
-    if m.kind == "tiny-qwen3":
+    if m.kind == "tiny-omni":
+        for name in ("image_size", "patch_size", "audio_rate", "n_mels", "audio_tokens"):
+            _positive(e, f"model.{name}", getattr(m, name))
+        _positive(e, "model.video_frames", m.video_frames)
+        _positive(e, "model.video_fps", m.video_fps)
+        if m.patch_size > 0 and m.image_size % m.patch_size:
+            e.append("model.image_size: must be divisible by model.patch_size")
+        if m.audio_rate < 1000:
+            e.append(
+                f"model.audio_rate: {m.audio_rate} Hz is too low for log-mel features (>= 1000)"
+            )
+    d = cfg.data
+    for name in ("max_media_bytes", "max_image_pixels", "max_audio_seconds", "max_video_seconds"):
+        _positive(e, f"data.{name}", getattr(d, name))
+    _positive(e, "data.max_video_frames", d.max_video_frames)
+    if m.kind in ("tiny-qwen3", "tiny-omni"):
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
             _positive(e, f"model.{name}", getattr(m, name))
         if m.num_heads > 0 and m.hidden_size % m.num_heads:

@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import posixpath
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import fsspec
 
 from relax_core.multimodal.media import KINDS as MEDIA_KINDS
+from relax_core.multimodal.media import resolve_uri
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".parquet")
 
@@ -175,6 +177,12 @@ def load_prompts(path: str) -> list[dict]:
     rows = [validate_row(raw, where) for where, raw in records]
     if not rows:
         raise DatasetError(f"dataset {path!r} has no rows")
+    # Media paths are relative to the dataset's folder; every role reads rows from the queue, far
+    # from the dataset file, so they travel resolved.
+    base = posixpath.dirname(path) if "://" in path else os.path.dirname(os.path.abspath(path))
+    for row in rows:
+        for item in row.get("media") or []:
+            item["uri"] = resolve_uri(item["uri"], base)
     return rows
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -108,12 +109,15 @@ class TinyOmni(nn.Module):
                     done[id(item)] = self.encode(item)
             encoded = [done[id(item)] for item in items]
             need = sum(e.shape[0] for e in encoded)
-            if need != len(slots):
+            if need > len(slots):
                 raise ValueError(
                     f"row {row}: {len(slots)} {MEDIA_TOKEN} placeholders for media that take "
                     f"{need} ({', '.join(i.kind for i in items) or 'none'}); build the prompt "
                     "with OmniSpec.tokens_for"
                 )
+            # The prompt's placeholders come first; a `<media>` the policy sampled in its
+            # response is an ordinary token, as it is in the engine's decode steps.
+            slots = slots[:need]
             if need:
                 rows.append(embeds[row].index_put((slots,), torch.cat(encoded).to(embeds.dtype)))
             else:
@@ -126,6 +130,10 @@ class TinyOmni(nn.Module):
     def get_output_embeddings(self) -> nn.Module:
         return self.lm.get_output_embeddings()
 
+    def save_pretrained(self, directory: str, **_: Any) -> None:
+        """Save like a Hugging Face model, so checkpoints and prepared policies treat it alike."""
+        save_omni(self, directory)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -135,6 +143,38 @@ class TinyOmni(nn.Module):
         if media is None:
             return self.lm(input_ids=input_ids, **kwargs)
         return self.lm(inputs_embeds=self.embed(input_ids, media), **kwargs)
+
+
+OMNI_FIELDS = (
+    "image_size",
+    "patch_size",
+    "audio_rate",
+    "n_mels",
+    "audio_tokens",
+    "video_frames",
+    "video_fps",
+)
+"""The ModelConfig fields of a tiny-omni policy's encoders."""
+
+
+def omni_spec(model_cfg: Any) -> OmniSpec:
+    """The encoders' input spec from a ModelConfig (config.py)."""
+    m = model_cfg
+    return OmniSpec(
+        image_size=m.image_size,
+        patch=m.patch_size,
+        n_mels=m.n_mels,
+        audio_rate=m.audio_rate,
+        audio_tokens=m.audio_tokens,
+        video_frames=m.video_frames,
+        video_fps=m.video_fps,
+    )
+
+
+def media_placeholders(row: Mapping[str, Any], spec: OmniSpec, media_token_id: int) -> list[int]:
+    """The placeholder ids a prompt row's media take, in order (before the prompt's text)."""
+    kinds = [item["kind"] for item in row.get("media") or []]
+    return [media_token_id] * sum(spec.tokens_for(k) for k in kinds)
 
 
 def add_media_token(tokenizer) -> int:

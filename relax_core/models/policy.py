@@ -25,6 +25,18 @@ from relax_core.config import (
     WarmStartConfig,
     config_from_dict,
 )
+from relax_core.models.omni import (
+    OMNI_FIELDS,
+    TinyOmni,
+    add_media_token,
+    load_omni,
+    media_placeholders,
+    omni_spec,
+)
+from relax_core.models.omni import (
+    SPEC_FILE as OMNI_SPEC_FILE,
+)
+from relax_core.multimodal.media import media_limits
 
 MARKER = "PREPARED.json"
 
@@ -65,8 +77,11 @@ class PolicySpec:
         )
 
     def key(self) -> str:
+        model = dataclasses.asdict(self.model)
+        if self.model.kind != "tiny-omni":  # the encoder fields shape nothing else
+            model = {k: v for k, v in model.items() if k not in OMNI_FIELDS}
         parts: dict[str, object] = {
-            "model": dataclasses.asdict(self.model),
+            "model": model,
             "warm_start": dataclasses.asdict(self.warm_start),
             "seed": self.seed,
         }
@@ -76,14 +91,17 @@ class PolicySpec:
             d = self.data
             parts["data"] = [d.train_path, d.template, d.system_prompt, self.data_fingerprint]
         digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
-        name = "tiny" if self.model.kind == "tiny-qwen3" else "pretrained"
+        name = {"tiny-qwen3": "tiny", "tiny-omni": "omni"}.get(self.model.kind, "pretrained")
         return f"{name}-{digest}"
 
 
 def load_policy(directory: str, dtype: str = "float32"):
     """(model, tokenizer) from a prepared policy or checkpoint directory."""
     hf_logging.disable_progress_bar()  # a weight-loading bar per node drowns the run's own bar
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype))
+    if os.path.isfile(os.path.join(directory, OMNI_SPEC_FILE)):
+        model = load_omni(directory, getattr(torch, dtype))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype))
     tokenizer = AutoTokenizer.from_pretrained(directory)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -134,10 +152,14 @@ def prepare_policy(spec: PolicySpec, cache_dir: str) -> str:
 
 
 def _base_model(spec: PolicySpec, cache_dir: str):
-    if spec.model.kind == "tiny-qwen3":
+    if spec.model.kind in ("tiny-qwen3", "tiny-omni"):
         from relax_core.models.tiny import build_char_tokenizer, build_tiny_qwen3
 
         tokenizer = build_char_tokenizer()
+        if spec.model.kind == "tiny-omni":
+            media_token_id = add_media_token(tokenizer)
+            lm = build_tiny_qwen3(spec.model, len(tokenizer), spec.seed)
+            return TinyOmni(lm, omni_spec(spec.model), media_token_id), tokenizer
         return build_tiny_qwen3(spec.model, len(tokenizer), spec.seed), tokenizer
     if spec.model.source.startswith("models:"):
         # A registered policy of an earlier run: its HF directory, pinned to one version upstream.
@@ -160,10 +182,22 @@ def _run_warm_start(cfg: PolicySpec, model, tokenizer) -> list[float]:
 
     rows = load_prompts(cfg.data.train_path)
     system = cfg.data.system_prompt or None
+    media = None
+    if isinstance(model, TinyOmni):
+        from relax_core.multimodal.inputs import MediaResolver, split_by_media
+
+        usable, _ = split_by_media(rows, MediaResolver(model.spec, media_limits(cfg.data)))
+        rows = [row for row, _ in usable]
+        media = [inputs for _, inputs in usable]
     examples = []
     for row in rows:
         text = render_prompt(row["prompt"], cfg.data.template, tokenizer, system)
-        examples.append((tokenizer(text, add_special_tokens=False)["input_ids"], row["answer"]))
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if isinstance(model, TinyOmni):
+            ids = media_placeholders(row, model.spec, model.media_token_id) + ids
+        examples.append((ids, row["answer"]))
     w = cfg.warm_start
-    losses = warm_start(model, tokenizer, examples, w.steps, w.lr, w.batch_size, cfg.seed)
+    losses = warm_start(
+        model, tokenizer, examples, w.steps, w.lr, w.batch_size, cfg.seed, media=media
+    )
     return [round(x, 4) for x in losses[:: max(1, len(losses) // 20)]]

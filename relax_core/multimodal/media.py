@@ -48,6 +48,18 @@ class MediaLimits:
     max_frames: int = 64
 
 
+def media_limits(data_cfg: Any) -> MediaLimits:
+    """The limits a run's DataConfig (config.py) sets."""
+    d = data_cfg
+    return MediaLimits(
+        max_bytes=d.max_media_bytes,
+        max_pixels=d.max_image_pixels,
+        max_audio_seconds=d.max_audio_seconds,
+        max_video_seconds=d.max_video_seconds,
+        max_frames=d.max_video_frames,
+    )
+
+
 def check_item(item: Any) -> Mapping[str, Any]:
     if not isinstance(item, Mapping) or item.get("kind") not in KINDS:
         kind = item.get("kind") if isinstance(item, Mapping) else type(item).__name__

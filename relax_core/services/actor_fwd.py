@@ -17,6 +17,7 @@ from relax_core.services.reference import add_ref_logprobs
 
 def serve(ctx) -> None:
     from relax_core.models.policy import load_policy
+    from relax_core.services.media import resolver_for
     from relax_core.services.role import serve_stage, set_threads
     from relax_core.services.weights import make_receiver
     from relax_core.sync import apply_update
@@ -27,6 +28,7 @@ def serve(ctx) -> None:
     set_threads(cfg.services.rollout_threads)
     model, tokenizer = load_policy(ctx.checkpoint, cfg.model.dtype)
     model.eval().requires_grad_(False)
+    resolver = resolver_for(cfg, model)
     holder = _WeightHolder(model, int(read_state(ctx.checkpoint)["policy_version"]))
     receiver = make_receiver(cfg, ctx.queue, specs_of(model.named_parameters()), "actor_fwd", 0)
     ctx.status["state"] = "joining weight sync"
@@ -47,6 +49,7 @@ def serve(ctx) -> None:
             cfg.train.micro_batch_tokens,
             cfg.rollout.temperature,
             "old_logprobs",
+            resolver,
         )
 
     try:

@@ -31,6 +31,7 @@ from relax_core.queue import (
 )
 from relax_core.queue.admission import VOID
 from relax_core.services.audit import record_trained
+from relax_core.services.evaluation import accuracy_by_modality
 from relax_core.services.role import RoleContext, set_threads
 from relax_core.services.session import RunState
 from relax_core.services.trainer import train_on_table
@@ -179,11 +180,16 @@ def _batch_metrics(batch: pa.Table) -> dict[str, float]:
     (what `rollout.rollout_metrics` reports for rows as dicts)."""
     n = max(1, batch.num_rows)
     infos = batch.column("reward_info").to_pylist()  # JSON text per row
-    correct = sum(bool(json.loads(i).get("correct")) for i in infos if i)
+    oks = [bool(i) and bool(json.loads(i).get("correct")) for i in infos]
+    kinds = [
+        {"meta": {"modality": m[0]["kind"] if m else None}}
+        for m in batch.column("media").to_pylist()
+    ]
     lengths = pc.list_value_length(batch.column("response_ids"))
     return {
+        **accuracy_by_modality("train", kinds, oks),
         "train/reward_mean": float(pc.sum(batch.column("reward")).as_py() or 0.0) / n,
-        "train/accuracy": correct / n,
+        "train/accuracy": sum(oks) / n,
         "train/response_length": float(pc.sum(lengths).as_py() or 0) / n,
         "train/truncated_frac": float(
             pc.sum(pc.equal(batch.column("finish_reason"), "length")).as_py() or 0
@@ -206,6 +212,7 @@ class AsyncTrainer:
     def __init__(self, ctx: RoleContext) -> None:
         from relax_core.models.policy import load_policy
         from relax_core.services.cores import CoreShare
+        from relax_core.services.media import resolver_for
         from relax_core.services.weights import make_sender
         from relax_core.sync.buckets import specs_of
         from relax_core.train.torch_backend import TorchBackend
@@ -232,6 +239,7 @@ class AsyncTrainer:
         if self.cores is not None:
             self.backend.before_micro_batch = self._take_free_cores
         self.pool = ReadyPool(ctx, self.state.ready_cursor)
+        self.media = resolver_for(cfg, self.model)
         self.sender = make_sender(cfg, ctx.queue, specs_of(self.model.named_parameters()))
         self.run_dir = os.path.join(cfg.checkpoint.dir, self.state.run_id)
         self._eval = None
@@ -254,18 +262,14 @@ class AsyncTrainer:
 
     def evaluate(self) -> dict[str, float]:
         """Held-out greedy eval with the trainer's own weights (no copy, no sync)."""
-        from relax_core.data.dataset import load_prompts
         from relax_core.rewards.registry import build_reward
         from relax_core.rollout.torch_engine import TorchEngine
         from relax_core.services.evaluation import evaluate
-        from relax_core.services.prompts import PromptSource
+        from relax_core.services.media import prompt_source
 
         cfg, tok = self.cfg, self.tokenizer
         if self._eval is None:
-            d = cfg.data
-            source = PromptSource(
-                load_prompts(d.eval_path), tok, d.template, d.system_prompt, cfg.seed, False
-            )
+            source = prompt_source(cfg, "eval", self.model, tok, self.ctx.queue)
             reward = build_reward(
                 cfg.reward,
                 cache_dir=os.path.join(cfg.checkpoint.policy_cache_dir, "hf"),
@@ -338,6 +342,7 @@ class AsyncTrainer:
             cfg.train.minibatches_per_step,
             train_version=v,
             max_new_tokens=r.max_new_tokens,
+            resolver=self.media,
         )
         t2 = time.perf_counter()
         if self.threads_used:

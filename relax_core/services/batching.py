@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pyarrow as pa
 
 from relax_core.train.batch import MicroBatch, make_micro_batch, split_by_token_budget
@@ -13,12 +16,15 @@ def table_micro_batches(
     token_budget: int,
     extras: tuple[str, ...] = (),
     computed: dict[str, list[list[float]]] | None = None,
+    resolver: Any = None,
 ) -> list[tuple[list[int], MicroBatch]]:
     """Split `table` into micro-batches of at most `token_budget` padded tokens.
 
     `extras` names per-token list columns (e.g. 'advantages') carried along as [B, R] tensors;
     `computed` adds per-token values that are not columns (one list per row, in table order).
     Returns (row indices, micro-batch) pairs so per-row results can be put back in table order.
+    `resolver` (multimodal.inputs.MediaResolver, an omni policy) rebuilds each row's encoder
+    inputs from its `media` references: decoded media never travel in the queue.
     """
     prompts = table.column("prompt_ids").to_pylist()
     responses = table.column("response_ids").to_pylist()
@@ -31,6 +37,7 @@ def table_micro_batches(
         if len(values) != table.num_rows:
             raise ValueError(f"{name}: {len(values)} rows of values for {table.num_rows} rows")
         extra_cols[name] = values
+    media = table.column("media").to_pylist() if resolver is not None else None
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
     out = []
     for rows in split_by_token_budget(lengths, token_budget):
@@ -41,5 +48,7 @@ def table_micro_batches(
             pad_token_id,
             {name: [values[i] for i in rows] for name, values in extra_cols.items()},
         )
+        if media is not None:
+            mb = dataclasses.replace(mb, media=[resolver.inputs(media[i]) for i in rows])
         out.append((rows, mb))
     return out

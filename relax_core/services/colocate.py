@@ -19,6 +19,7 @@ import time
 
 import pyarrow as pa
 
+from relax_core.models.omni import TinyOmni
 from relax_core.queue import rows_to_table
 from relax_core.rollout.engine import SamplingParams
 from relax_core.services.advantages import add_advantages
@@ -122,6 +123,7 @@ class ColocateController:
                 cfg.train.micro_batch_tokens,
                 cfg.rollout.temperature,
                 column,
+                s.media if isinstance(model, TinyOmni) else None,
             )
         if frozen:
             s.queue.put("ref", table, {"policy_version": v})
@@ -142,6 +144,7 @@ class ColocateController:
                 cfg.train.minibatches_per_step,
                 train_version=v,
                 max_new_tokens=cfg.rollout.max_new_tokens,
+                resolver=s.media,
             )
         )
         t5 = time.perf_counter()

@@ -22,7 +22,11 @@ def evaluate(
     n = len(source.rows) if limit <= 0 else min(limit, len(source.rows))
     prompts = [source.prompt_ids(i) for i in range(n)]
     params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
-    completions = engine.generate(prompts, params)
+    if source.media is not None:
+        media = [source.media_inputs(i) for i in range(n)]
+        completions = engine.generate(prompts, params, media=media)
+    else:
+        completions = engine.generate(prompts, params)
     texts = tokenizer.batch_decode([c.response_ids for c in completions], skip_special_tokens=True)
     rows = source.rows[:n]
     results, errors = score_batch(reward_fn, texts, [r["answer"] for r in rows], rows)

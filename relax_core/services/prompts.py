@@ -1,4 +1,7 @@
-"""Prompt source for the rollout role: dataset rows + resumable cursor + tokenized prompt cache."""
+"""Prompt source for the rollout role: dataset rows + resumable cursor + tokenized prompt cache.
+
+With `media` (an omni policy) a prompt starts with its media's placeholders and an item carries
+the media's encoder inputs (services/media.py builds such sources)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,19 @@ class PromptItem:
     prompt_index: int
     row: dict[str, Any]
     prompt_ids: list[int]
+    media: list | None = None
+    """Encoder inputs of the row's media (an omni policy), in order; None for text."""
+
+
+@dataclass(frozen=True)
+class PromptMedia:
+    """How an omni policy sees a row's media: placeholders in the prompt, encoder inputs."""
+
+    resolver: Any
+    """multimodal.inputs.MediaResolver."""
+    spec: Any
+    """models.omni.OmniSpec."""
+    media_token_id: int
 
 
 class PromptSource:
@@ -28,8 +44,10 @@ class PromptSource:
         system_prompt: str,
         seed: int,
         shuffle: bool,
+        media: PromptMedia | None = None,
     ) -> None:
         self.rows = rows
+        self.media = media
         self.tokenizer = tokenizer
         self.template = template
         self.system_prompt = system_prompt or None
@@ -41,12 +59,27 @@ class PromptSource:
             text = render_prompt(
                 self.rows[index]["prompt"], self.template, self.tokenizer, self.system_prompt
             )
-            self._ids[index] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if self.media is not None:
+                from relax_core.models.omni import media_placeholders
+
+                m = self.media
+                ids = media_placeholders(self.rows[index], m.spec, m.media_token_id) + ids
+            self._ids[index] = ids
         return self._ids[index]
+
+    def media_inputs(self, index: int) -> list | None:
+        """Encoder inputs of row `index`'s media (decoded once, cached by the resolver)."""
+        if self.media is None:
+            return None
+        return self.media.resolver.inputs(self.rows[index].get("media"))
 
     def take(self, cursor: DatasetCursor, n: int) -> tuple[list[PromptItem], DatasetCursor]:
         picks, cursor = self.sampler.take(cursor, n)
-        items = [PromptItem(e, i, self.rows[i], self.prompt_ids(i)) for e, i in picks]
+        items = [
+            PromptItem(e, i, self.rows[i], self.prompt_ids(i), self.media_inputs(i))
+            for e, i in picks
+        ]
         return items, cursor
 
     def at(self, first: int, n: int) -> list[PromptItem]:

@@ -3,6 +3,8 @@ for the KL term, the teacher for on-policy distillation), into their own column.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pyarrow as pa
 import torch
 from transformers import PreTrainedModel
@@ -20,10 +22,11 @@ def add_ref_logprobs(
     token_budget: int,
     temperature: float,
     column: str = "ref_logprobs",
+    resolver: Any = None,
 ) -> pa.Table:
     out: list[list[float]] = [[] for _ in range(table.num_rows)]
     lengths = [len(r) for r in table.column("response_ids").to_pylist()]
-    for rows, mb in table_micro_batches(table, pad_token_id, token_budget):
+    for rows, mb in table_micro_batches(table, pad_token_id, token_budget, resolver=resolver):
         logprobs, _ = response_logprobs(model, mb, temperature)
         for j, i in enumerate(rows):
             out[i] = logprobs[j, : lengths[i]].tolist()
@@ -34,6 +37,7 @@ def serve(ctx) -> None:
     """The reference service: `rollout` entries -> `ref` with ref_logprobs (KL anchor: the
     run's starting policy) and/or teacher_logprobs (distillation)."""
     from relax_core.models.policy import load_policy, load_teacher
+    from relax_core.services.media import resolver_for
     from relax_core.services.role import serve_stage, set_threads
     from relax_core.train.checkpoint import read_state
 
@@ -57,6 +61,7 @@ def serve(ctx) -> None:
                 cfg.train.micro_batch_tokens,
                 cfg.rollout.temperature,
                 column,
+                resolver_for(cfg, m),
             )
         return table
 

@@ -36,7 +36,12 @@ def rollout_groups(
     """
     t0 = time.perf_counter()
     prompts = [item.prompt_ids for item in items for _ in range(n_samples)]
-    completions = engine.generate(prompts, params)
+    if any(item.media is not None for item in items):
+        # A group's samples share their prompt's inputs: the policy encodes each medium once.
+        media = [item.media or [] for item in items for _ in range(n_samples)]
+        completions = engine.generate(prompts, params, media=media)
+    else:
+        completions = engine.generate(prompts, params)
     t1 = time.perf_counter()
     texts = tokenizer.batch_decode([c.response_ids for c in completions], skip_special_tokens=True)
     samples = [item.row for item in items for _ in range(n_samples)]
@@ -75,6 +80,7 @@ def rollout_groups(
                     else comp.policy_version_max
                 ),
                 "turns": 1,
+                "media": item.row.get("media"),
             }
         )
     metrics = rollout_metrics(rows)
@@ -90,14 +96,24 @@ def rollout_groups(
 
 
 def rollout_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Reward, accuracy, length and truncation means over rollout rows."""
+    """Reward, accuracy (also per modality: `train/accuracy/<kind of the first medium>`),
+    length and truncation means over rollout rows."""
+    from relax_core.services.evaluation import accuracy_by_modality
+
     n = max(1, len(rows))
+    correct = [bool(r["reward_info"].get("correct")) for r in rows]
     return {
         "train/reward_mean": sum(r["reward"] for r in rows) / n,
-        "train/accuracy": sum(bool(r["reward_info"].get("correct")) for r in rows) / n,
+        "train/accuracy": sum(correct) / n,
         "train/response_length": sum(len(r["response_ids"]) for r in rows) / n,
         "train/truncated_frac": sum(r["finish_reason"] == "length" for r in rows) / n,
+        **accuracy_by_modality("train", [_modality(r) for r in rows], correct),
     }
+
+
+def _modality(row: dict[str, Any]) -> dict[str, Any]:
+    media = row.get("media") or []
+    return {"meta": {"modality": media[0]["kind"] if media else None}}
 
 
 def informative_groups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -128,12 +144,11 @@ def serve(ctx) -> None:
     import contextlib
     import os
 
-    from relax_core.data.dataset import load_prompts
     from relax_core.queue import AdmissionLedger, rows_to_table
     from relax_core.rewards.registry import build_reward
     from relax_core.services.cores import CoreShare
     from relax_core.services.engines import drain_requested, pool_entry
-    from relax_core.services.prompts import PromptSource
+    from relax_core.services.media import prompt_source
     from relax_core.services.role import set_threads
     from relax_core.train.checkpoint import read_state
 
@@ -157,10 +172,7 @@ def serve(ctx) -> None:
         dtype=cfg.model.dtype,
         seed=cfg.seed,
     )
-    d = cfg.data
-    prompts = PromptSource(
-        load_prompts(d.train_path), tokenizer, d.template, d.system_prompt, cfg.seed, d.shuffle
-    )
+    prompts = prompt_source(cfg, "train", engine.model if not url else None, tokenizer, ctx.queue)
     ledger = AdmissionLedger(ctx.queue)
     # Blocks an earlier process of this worker admitted but never committed (it died): void
     # them and generate their prompts again, so the trainer neither waits for them nor loses them.

@@ -18,12 +18,11 @@ import torch
 
 from relax_core.config import RunConfig
 from relax_core.data.cursor import DatasetCursor
-from relax_core.data.dataset import load_prompts
 from relax_core.models.policy import load_policy, load_teacher
 from relax_core.queue import STAGES, open_queue
 from relax_core.rewards.registry import build_reward
 from relax_core.rollout.torch_engine import TorchEngine
-from relax_core.services.prompts import PromptSource
+from relax_core.services.media import prompt_source, resolver_for
 from relax_core.sync.inprocess import InProcessSync
 from relax_core.train import checkpoint as ckpt
 from relax_core.train.torch_backend import TorchBackend
@@ -88,20 +87,12 @@ class RunSession:
             dtype=cfg.model.dtype,
             seed=cfg.seed,
         )
-        d = cfg.data
-        self.train_prompts = PromptSource(
-            load_prompts(d.train_path),
-            self.tokenizer,
-            d.template,
-            d.system_prompt,
-            cfg.seed,
-            d.shuffle,
-        )
-        self.eval_prompts = PromptSource(
-            load_prompts(d.eval_path), self.tokenizer, d.template, d.system_prompt, cfg.seed, False
-        )
         # Colocate is the only writer of its queue; async roles write concurrently.
         self.queue = open_queue(cfg.queue, state.run_id, multi_writer=cfg.mode != "colocate")
+        self.media = resolver_for(cfg, self.model)
+        """Rebuilds queue rows' encoder inputs (an omni policy); None for text."""
+        self.train_prompts = prompt_source(cfg, "train", self.model, self.tokenizer, self.queue)
+        self.eval_prompts = prompt_source(cfg, "eval", self.model, self.tokenizer, self.queue)
         self.run_dir = os.path.join(cfg.checkpoint.dir, state.run_id)
 
     # ------------------------------------------------------------------ checkpoints

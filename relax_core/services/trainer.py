@@ -11,6 +11,7 @@ batch.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pyarrow as pa
 import torch
@@ -100,6 +101,7 @@ def train_on_table(
     *,
     train_version: int = 0,
     max_new_tokens: int = 1,
+    resolver: Any = None,
 ) -> dict[str, float]:
     """Train on one step batch: `minibatches` optimizer updates; returns averaged metrics.
 
@@ -122,7 +124,7 @@ def train_on_table(
         mbs = [
             mb
             for _, mb in table_micro_batches(
-                part, pad_token_id, token_budget, tuple(extras), computed
+                part, pad_token_id, token_budget, tuple(extras), computed, resolver
             )
         ]
         num_tokens = float(sum(mb.loss_mask.sum() for mb in mbs))

@@ -3,6 +3,7 @@ policy that is sometimes right. Reuses the torch backend with a cross-entropy mi
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -25,8 +26,10 @@ def warm_start(
     lr: float,
     batch_size: int,
     seed: int,
+    media: list | None = None,
 ) -> list[float]:
-    """Train `model` in place on (prompt_ids, target_text) pairs; returns the loss per step."""
+    """Train `model` in place on (prompt_ids, target_text) pairs; returns the loss per step.
+    `media`: each example's encoder inputs (an omni policy), in example order."""
     targets = [tokenizer(t, add_special_tokens=False)["input_ids"] for _, t in examples]
     eos = tokenizer.eos_token_id
     backend = TorchBackend(model, lr=lr, grad_clip=1.0)
@@ -41,5 +44,7 @@ def warm_start(
             [[1] * len(r) for r in responses],
             tokenizer.pad_token_id,
         )
+        if media is not None:
+            mb = dataclasses.replace(mb, media=[media[i] for i in picks])
         losses.append(backend.train_step([mb], _ce_loss)["sft_loss"])
     return losses

@@ -62,7 +62,13 @@ def test_jsonl_rows_are_normalised(tmp_path):
         {"prompt": "half?", "answer": "0.5", "meta": {"level": 2}},
         {"prompt": "pick", "answer": "B", "meta": {}, "choices": ["x", "y"]},
         # An integral float (as Parquet/pandas often store ints) must match the answer "46".
-        {"prompt": "look", "answer": "46", "meta": {}, "media": [{"kind": "image", "uri": "a"}]},
+        # Media paths are relative to the dataset's folder, and travel resolved.
+        {
+            "prompt": "look",
+            "answer": "46",
+            "meta": {},
+            "media": [{"kind": "image", "uri": str(tmp_path / "a")}],
+        },
     ]
 
 

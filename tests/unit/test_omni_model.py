@@ -137,7 +137,13 @@ def test_save_and_load_keep_every_weight(policy, tmp_path):
 def test_placeholders_must_fit_the_media(policy):
     model, tok, media_id = policy
     prompts, media = _rows(tok, media_id)
-    with pytest.raises(ValueError, match=r"row 0: 16 <media> placeholders for media that take 8"):
-        model(torch.tensor([prompts[0]]), media=[[media[1][0]]])
+    with pytest.raises(ValueError, match=r"row 0: 8 <media> placeholders for media that take 16"):
+        model(torch.tensor([prompts[1]]), media=[[media[0][0]]])
+    # A <media> the policy sampled after its prompt is an ordinary token: the prompt's media
+    # fill the first placeholders, and the sampled one keeps its token embedding.
+    sampled = torch.tensor([prompts[0] + [media_id]])
+    embeds = model.embed(sampled, [media[0]])
+    token = model.lm.get_input_embeddings()(torch.tensor([media_id]))[0]
+    assert torch.equal(embeds[0, -1], token)
     with pytest.raises(ValueError, match="media kind 'text' is not one of"):
         SPEC.tokens_for("text")
