@@ -55,8 +55,13 @@ def check_dataset_path(path: str) -> None:
     fs, fs_path = fsspec.core.url_to_fs(path)
     if not fs.isfile(fs_path):
         where = f" (relative to the working directory {os.getcwd()})"
+        hint = ""
+        folder = posixpath.dirname(path)
+        if _is_local_relative(path) and os.path.isfile(f"{folder}.py"):
+            # A generated dataset (datasets/omni.py writes datasets/omni/): say how to make it.
+            hint = f"; generate it with: python {folder}.py --out {folder}"
         raise FileNotFoundError(
-            f"dataset file not found: {path!r}{where if _is_local_relative(path) else ''}"
+            f"dataset file not found: {path!r}{where if _is_local_relative(path) else ''}{hint}"
         )
 
 

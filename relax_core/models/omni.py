@@ -6,7 +6,12 @@ Parts:
   placeholders each kind of medium takes in a prompt (`tokens_for`);
 - encoder inputs are `MediaInput`s (kind + tensor) made by multimodal/features.py's
   `media_input` from decoded media, sized by the spec;
-- `TinyOmni`: the LM plus three encoders. `forward(input_ids, ..., media=...)` embeds the ids,
+- `TinyOmni`: the LM plus three encoders: image patches (an MLP, plus a position per patch);
+  audio log-mels standardized per clip (two strided convolutions, pooled to `audio_tokens`);
+  video frames, one token each: the frame's image patches averaged (what it shows) plus a
+  convolution over its change since the previous frame, max-pooled (what moved, and which way,
+  wherever it is in the frame; flattening the patches instead drowned that signal and left
+  video unlearnable in a short run). `forward(input_ids, ..., media=...)` embeds the ids,
   writes each row's encoded media over its placeholders in order, and runs the LM on those
   embeddings; without `media` it is the LM on ids (decode steps after a prefill), so an engine
   passes media once per prefill and a trainer once per sequence;
@@ -75,6 +80,9 @@ class TinyOmni(nn.Module):
             nn.Conv1d(d, d, 3, stride=2, padding=1),
         )
         self.audio_out = nn.Linear(d, d)
+        # Motion: a convolution over the change since the previous frame, max-pooled over the
+        # frame, so a direction detector fires wherever the thing that moves is.
+        self.motion_in = nn.Conv2d(3, d, kernel_size=5, padding=2)
         self.video_pos = nn.Parameter(torch.zeros(spec.video_frames, d))
         self.video_out = nn.Linear(d, d)
         self.config = lm.config  # engines and backends read config.vocab_size, eos, ...
@@ -86,12 +94,17 @@ class TinyOmni(nn.Module):
         if item.kind == "image":
             return self.image_in(patchify(x, self.spec.patch)) + self.image_pos
         if item.kind == "audio":
+            # Per-clip standardized log-mels: the pattern over time counts, not the loudness.
+            x = (x - x.mean()) / (x.std() + 1e-5)
             h = self.audio_in(x.unsqueeze(0))  # [1, d, T/4]
             pooled = nn.functional.adaptive_avg_pool1d(h, self.spec.audio_tokens)[0].T
             return self.audio_out(pooled)
-        if item.kind == "video":  # each frame's patches through the image encoder, averaged
+        if item.kind == "video":  # one token per frame: what it shows, and what moved
             patches = torch.stack([patchify(frame, self.spec.patch) for frame in x])
-            per_frame = (self.image_in(patches) + self.image_pos).mean(1)
+            shown = (self.image_in(patches) + self.image_pos).mean(1)  # [F, d]
+            change = torch.cat([torch.zeros_like(x[:1]), x[1:] - x[:-1]])  # [F, 3, S, S]
+            moved = nn.functional.gelu(self.motion_in(change)).amax((2, 3))  # [F, d]
+            per_frame = shown + moved
             return self.video_out(per_frame + self.video_pos)
         raise ValueError(f"media kind {item.kind!r} is not one of image, audio, video")
 

@@ -118,7 +118,8 @@ def test_gradients_reach_every_encoder(policy, tmp_path):
     model.zero_grad()
     logprobs, _ = response_logprobs(model, mb, temperature=1.0)
     logprobs.sum().backward()
-    for name in ("image_in.0.weight", "audio_in.0.weight", "audio_out.weight", "video_out.weight"):
+    encoders = ("image_in.0.weight", "audio_in.0.weight", "audio_out.weight", "video_out.weight")
+    for name in (*encoders, "motion_in.weight"):
         grad = dict(model.named_parameters())[name].grad
         assert grad is not None and grad.abs().sum() > 0, name
     model.zero_grad()
