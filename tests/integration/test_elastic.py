@@ -42,6 +42,23 @@ def _wait(what: str, check, proc: subprocess.Popen, timeout: float = 300.0):
     pytest.fail(f"timed out waiting for {what}")
 
 
+def _start_run(cfg: str):
+    """The run as a process, once its scaling API is up: (process, API file, queue, client)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relax_core.services.run", "--cfg", cfg],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    api_file = _wait(
+        "the scaling API", lambda: glob.glob(".relax/checkpoints/*/scale_api.json"), proc
+    )[0]
+    run_dir = os.path.dirname(api_file)
+    queue = TransferQueue(".relax/queue", os.path.basename(run_dir))
+    return proc, api_file, queue, ScaleClient.for_run(run_dir)
+
+
 def _trainer_version(queue: TransferQueue) -> int:
     return max(
         (b["info"].get("policy_version", 0) for b in queue.heartbeats() if b["role"] == "trainer"),
@@ -64,19 +81,8 @@ def test_engines_scale_out_and_in_mid_run_and_no_group_is_lost(small_config, wor
         train={"total_steps": total, "checkpoint_every": 450},
         services=SERVICES,
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "relax_core.services.run", "--cfg", cfg],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    api_file = _wait(
-        "the scaling API", lambda: glob.glob(".relax/checkpoints/*/scale_api.json"), proc
-    )[0]
+    proc, api_file, queue, client = _start_run(cfg)
     run_dir = os.path.dirname(api_file)
-    queue = TransferQueue(".relax/queue", os.path.basename(run_dir))
-    client = ScaleClient.for_run(run_dir)
     _wait("step 20", lambda: _trainer_version(queue) >= 20, proc)
 
     # Refused requests change nothing.
@@ -138,19 +144,7 @@ def test_an_sglang_server_registered_by_url_takes_work_with_the_trainers_weights
         train={"total_steps": total, "checkpoint_every": 500},
         services=SERVICES,
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "relax_core.services.run", "--cfg", cfg],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    api_file = _wait(
-        "the scaling API", lambda: glob.glob(".relax/checkpoints/*/scale_api.json"), proc
-    )[0]
-    run_dir = os.path.dirname(api_file)
-    queue = TransferQueue(".relax/queue", os.path.basename(run_dir))
-    client = ScaleClient.for_run(run_dir)
+    proc, _, queue, client = _start_run(cfg)
     _wait("step 10", lambda: _trainer_version(queue) >= 10, proc)
     (port,) = free_ports(1)
     server = subprocess.Popen(
