@@ -27,9 +27,12 @@ class ConfigError(ValueError):
 class ModelConfig:
     kind: str = "tiny-qwen3"
     """'tiny-qwen3' (built in code, char tokenizer, no download), 'tiny-omni' (the tiny LM with
-    image, audio and video encoders; models/omni.py) or 'pretrained'."""
+    image, audio and video encoders; models/omni.py), 'pretrained' (a text LM), or a Qwen
+    multimodal model from transformers (multimodal/qwen): 'qwen2.5-vl', 'qwen3-vl' (image,
+    video), 'qwen2.5-omni', 'qwen3-omni' (the thinker: image, video, audio in, text out)."""
     source: str = ""
-    """For kind=pretrained: 'gguf-package:<pkg>', 'gguf:<file>' or an HF model directory."""
+    """For kind=pretrained: 'gguf-package:<pkg>', 'gguf:<file>' or an HF model directory; for a
+    Qwen multimodal kind: a Hugging Face id (e.g. Qwen/Qwen3-VL-4B-Instruct) or directory."""
     hidden_size: int = 128
     """Tiny model: width of the residual stream."""
     num_layers: int = 2
@@ -59,7 +62,8 @@ class ModelConfig:
     video_frames: int = 8
     """tiny-omni: frames sampled per video (short clips repeat their last frame)."""
     video_fps: float = 8.0
-    """tiny-omni: frame sampling rate of videos and frame folders."""
+    """tiny-omni and the Qwen multimodal kinds: frame sampling rate of videos and frame
+    folders."""
 
 
 @dataclass(frozen=True)
@@ -304,6 +308,11 @@ class ServicesConfig:
     """Port of the scaling API; 0 = a free one."""
     max_rollout_workers: int = 8
     """Most rollout engines the pool may scale out to."""
+    trainer_gpus: int = 1
+    """GPUs of the trainer on a cluster (FSDP2 shards the policy across them)."""
+    rollout_gpus: int = 1
+    """GPUs of each rollout worker's engine on a cluster (tensor parallel across them); a run
+    takes trainer_gpus + rollout_workers x rollout_gpus."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,19 @@ MODES = ("colocate", "async")
 LAUNCHES = ("processes", "tasks")
 WEIGHT_SYNCS = ("broadcast", "object_store")
 SYNC_BACKENDS = ("auto", "gloo", "nccl")
-MODEL_KINDS = ("tiny-qwen3", "tiny-omni", "pretrained")
+QWEN_MULTIMODAL = ("qwen2.5-vl", "qwen3-vl", "qwen2.5-omni", "qwen3-omni")
+"""Qwen multimodal models from transformers (multimodal/qwen/families.py)."""
+MODEL_KINDS = ("tiny-qwen3", "tiny-omni", "pretrained", *QWEN_MULTIMODAL)
+MODALITIES = {
+    "tiny-qwen3": (),
+    "pretrained": (),
+    "tiny-omni": ("image", "audio", "video"),
+    "qwen2.5-vl": ("image", "video"),
+    "qwen3-vl": ("image", "video"),
+    "qwen2.5-omni": ("image", "video", "audio"),
+    "qwen3-omni": ("image", "video", "audio"),
+}
+"""The media kinds a policy of each model.kind reads."""
 TEMPLATES = ("plain", "chat")
 LOSSES = ("grpo", "gspo", "sapo", "decoupled_ppo")
 ADVANTAGES = ("grpo", "none")
@@ -116,6 +128,23 @@ def _check_algorithm(e: list[str], cfg: RunConfig) -> None:
         e.extend(judge_problems(w))
 
 
+def _check_qwen(e: list[str], cfg: RunConfig) -> None:
+    """A Qwen multimodal policy: where it is loaded from, its video rate, and no warm start
+    (the warm start feeds media to tiny-omni policies only)."""
+    m = cfg.model
+    if not m.source:
+        e.append(
+            f"model.source: required when model.kind is {m.kind!r}: a Hugging Face id (e.g. "
+            "Qwen/Qwen3-VL-4B-Instruct) or a model directory"
+        )
+    _positive(e, "model.video_fps", m.video_fps)
+    if cfg.warm_start.steps:
+        e.append(
+            f"warm_start.steps: the warm start feeds media to tiny-omni policies only; use 0 "
+            f"with model.kind {m.kind!r}"
+        )
+
+
 def _check_services(e: list[str], cfg: RunConfig) -> None:
     s = cfg.services
     _choice(e, "services.launch", s.launch, LAUNCHES)
@@ -125,6 +154,8 @@ def _check_services(e: list[str], cfg: RunConfig) -> None:
     _positive(e, "services.rollout_batch_groups", s.rollout_batch_groups, allow_zero=True)
     _positive(e, "services.bucket_mb", s.bucket_mb)
     _positive(e, "services.rollout_threads", s.rollout_threads)
+    _positive(e, "services.trainer_gpus", s.trainer_gpus)
+    _positive(e, "services.rollout_gpus", s.rollout_gpus)
     _positive(e, "services.trainer_threads", s.trainer_threads, allow_zero=True)
     for name in (
         "poll_s",
@@ -170,6 +201,8 @@ def validate(cfg: RunConfig) -> list[str]:
     _choice(e, "model.dtype", m.dtype, DTYPES)
     if m.kind == "pretrained" and not m.source:
         e.append("model.source: required when model.kind is 'pretrained'")
+    if m.kind in QWEN_MULTIMODAL:
+        _check_qwen(e, cfg)
     if m.source.startswith("models:") and not MODEL_URI.fullmatch(m.source):
         e.append(
             f"model.source: {m.source!r} is not a registry reference; use models:/<name>/<version>, "

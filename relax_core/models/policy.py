@@ -25,6 +25,7 @@ from relax_core.config import (
     WarmStartConfig,
     config_from_dict,
 )
+from relax_core.config_checks import QWEN_MULTIMODAL
 from relax_core.models.omni import (
     OMNI_FIELDS,
     TinyOmni,
@@ -95,18 +96,34 @@ class PolicySpec:
         return f"{name}-{digest}"
 
 
-def load_policy(directory: str, dtype: str = "float32"):
-    """(model, tokenizer) from a prepared policy or checkpoint directory."""
+def load_policy(directory: str, dtype: str = "float32", video_fps: float = 2.0):
+    """(model, tokenizer) from a prepared policy or checkpoint directory; `video_fps` is the
+    frame rate a Qwen multimodal policy's videos are sampled at (model.video_fps)."""
     hf_logging.disable_progress_bar()  # a weight-loading bar per node drowns the run's own bar
-    if os.path.isfile(os.path.join(directory, OMNI_SPEC_FILE)):
-        model = load_omni(directory, getattr(torch, dtype))
+    if _is_qwen_multimodal(directory):
+        from relax_core.multimodal.qwen import load_qwen_policy
+
+        model, tokenizer = load_qwen_policy(directory, dtype, video_fps)
     else:
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype))
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+        if os.path.isfile(os.path.join(directory, OMNI_SPEC_FILE)):
+            model = load_omni(directory, getattr(torch, dtype))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype))
+        tokenizer = AutoTokenizer.from_pretrained(directory)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return model, tokenizer
+
+
+def _is_qwen_multimodal(directory: str) -> bool:
+    from relax_core.multimodal.qwen.families import family_for_model_type
+
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        return family_for_model_type(json.load(f).get("model_type", "")) is not None
 
 
 def load_teacher(directory: str, student_tokenizer, dtype: str = "float32"):
@@ -161,6 +178,11 @@ def _base_model(spec: PolicySpec, cache_dir: str):
             lm = build_tiny_qwen3(spec.model, len(tokenizer), spec.seed)
             return TinyOmni(lm, omni_spec(spec.model), media_token_id), tokenizer
         return build_tiny_qwen3(spec.model, len(tokenizer), spec.seed), tokenizer
+    if spec.model.kind in QWEN_MULTIMODAL:
+        # A Hugging Face id (downloaded to the HF cache) or a directory, as transformers reads it.
+        from relax_core.multimodal.qwen import load_qwen_policy
+
+        return load_qwen_policy(spec.model.source, spec.model.dtype, spec.model.video_fps)
     if spec.model.source.startswith("models:"):
         # A registered policy of an earlier run: its HF directory, pinned to one version upstream.
         from relax_core.tracking.registry import download_policy

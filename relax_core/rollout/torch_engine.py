@@ -7,7 +7,9 @@ compacting the batch).
 
 Media (an omni policy, models/omni.py): `generate(..., media=)` gives each prompt its encoded
 media inputs; they go with every prefill (the first step, and a rebuild after new weights) and
-never with decode steps, whose new tokens are text.
+never with decode steps, whose new tokens are text. A policy with multimodal rotary positions
+(multimodal/protocol.MultimodalDecoder) gives the prefill's positions [3, B, T]; a decode step's
+are the last ones + 1, as for text.
 
 Partial rollouts: with `weight_poll` set, the engine calls it between decode steps; when it
 reports that new weights were loaded, the KV cache (computed by the old weights) is rebuilt by
@@ -22,6 +24,7 @@ from collections.abc import Callable, Iterable
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from relax_core.multimodal.protocol import MultimodalDecoder
 from relax_core.rollout.engine import Completion, SamplingParams
 from relax_core.rollout.sampling import sample_tokens
 
@@ -72,7 +75,7 @@ class TorchEngine:
         for i, p in enumerate(prompts):
             input_ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        positions = self._positions(input_ids, mask, media)
         cache = DynamicCache()
         tokens = torch.empty((batch, params.max_new_tokens), dtype=torch.long)
         logprobs = torch.zeros((batch, params.max_new_tokens))
@@ -105,15 +108,22 @@ class TorchEngine:
             if bool(done.all()):
                 break
             step_ids = tok.unsqueeze(-1)
-            step_pos = step_pos[:, -1:] + 1
+            step_pos = step_pos[..., -1:] + 1
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], dim=-1)
             if self.weight_poll is not None and self.weight_poll():
                 # The cache holds keys/values of the old weights: one prefill rebuilds it.
                 step_ids = torch.cat([input_ids, tokens[:, : t + 1]], dim=-1)
-                step_pos = (mask.cumsum(-1) - 1).clamp(min=0)
+                step_pos = self._positions(step_ids, mask, media)
                 cache = DynamicCache()
                 prefill = True
         return self._completions(tokens, logprobs, lengths, done, first_version, last_version)
+
+    def _positions(self, ids: torch.Tensor, mask: torch.Tensor, media: list | None) -> torch.Tensor:
+        """Prefill positions: real tokens counted from 0 (left pads get 0), or the policy's
+        multimodal positions [3, B, T] when it places media in position space."""
+        if media is not None and isinstance(self.model, MultimodalDecoder):
+            return self.model.position_ids(ids, mask, media)
+        return (mask.cumsum(-1) - 1).clamp(min=0)
 
     def _completions(
         self,

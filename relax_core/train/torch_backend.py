@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 from transformers import PreTrainedModel
 
+from relax_core.multimodal.protocol import MultimodalDecoder
 from relax_core.train.backend import MicroBatchLoss
 from relax_core.train.batch import MicroBatch
 
@@ -25,7 +26,10 @@ def response_logprobs(
     model: PreTrainedModel, mb: MicroBatch, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs [B, R], entropy [B, R]) of the response tokens of `mb` under `model`."""
-    if mb.media is not None:  # an omni policy: media embeddings over the placeholders
+    if mb.media is not None and isinstance(model, MultimodalDecoder):  # M-RoPE positions
+        inputs = model.decoder_inputs(mb.input_ids, mb.attention_mask, mb.media)
+        hidden = model.get_decoder()(**inputs, attention_mask=mb.attention_mask).last_hidden_state
+    elif mb.media is not None:  # an omni policy: media embeddings over the placeholders
         hidden = model.get_decoder()(
             inputs_embeds=model.embed(mb.input_ids, mb.media), attention_mask=mb.attention_mask
         ).last_hidden_state

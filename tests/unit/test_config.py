@@ -145,3 +145,58 @@ def test_registry_references_in_every_form_load():
     for source in ("models:/relax/3", "models:/relax/latest", "models:/relax@champion"):
         cfg = replace(base, model={"kind": "pretrained", "source": source})
         assert cfg.model.source == source
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "source", "modalities", "gpus"),
+    [
+        ("qwen3-vl-4b-8xgpu", "qwen3-vl", "Qwen/Qwen3-VL-4B-Instruct", {"image", "video"}, 8),
+        (
+            "qwen3-omni-30b-a3b-16xgpu",
+            "qwen3-omni",
+            "Qwen/Qwen3-Omni-30B-A3B-Instruct",
+            {"image", "video", "audio"},
+            16,
+        ),
+    ],
+)
+def test_the_qwen_cluster_configs_name_their_model_media_and_gpus(
+    name, kind, source, modalities, gpus
+):
+    from relax_core.config_checks import MODALITIES
+
+    cfg = load_config(os.path.join(REPO, "configs", f"{name}.yaml"))
+    assert (cfg.run_name, cfg.model.kind, cfg.model.source) == (name, kind, source)
+    assert set(MODALITIES[cfg.model.kind]) == modalities
+    assert cfg.mode == "async" and cfg.services.launch == "tasks"
+    assert cfg.model.dtype == "bfloat16" and cfg.warm_start.steps == 0
+    s = cfg.services
+    assert s.trainer_gpus + s.rollout_workers * s.rollout_gpus == gpus
+
+
+@pytest.mark.parametrize(
+    ("model", "sections", "expected"),
+    [
+        ({"kind": "qwen3-vl"}, {}, "model.source: required when model.kind is 'qwen3-vl'"),
+        (
+            {"kind": "qwen2.5-omni", "source": "Qwen/Qwen2.5-Omni-7B"},
+            {"warm_start": {"steps": 5}},
+            "warm_start.steps: the warm start feeds media to tiny-omni policies only",
+        ),
+        (
+            {"kind": "qwen4-vl", "source": "x"},
+            {},
+            "model.kind: 'qwen4-vl' is not one of tiny-qwen3, tiny-omni, pretrained, qwen2.5-vl, "
+            "qwen3-vl, qwen2.5-omni, qwen3-omni",
+        ),
+        (
+            {"kind": "qwen3-vl", "source": "Qwen/Qwen3-VL-4B-Instruct"},
+            {"services": {"trainer_gpus": 0}},
+            "services.trainer_gpus: must be > 0, got 0",
+        ),
+    ],
+)
+def test_qwen_model_settings_are_checked(model, sections, expected):
+    base = load_config(os.path.join(REPO, "configs", "cpu-default.yaml"))
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        replace(base, **{"model": model, "warm_start": {"steps": 0}, **sections})
