@@ -205,6 +205,9 @@ class TrainConfig:
     """Optimizer steps of RL (the final policy version)."""
     lr: float = 1e-3
     """AdamW learning rate."""
+    encoder_lr_scale: float = 1.0
+    """Learning-rate multiplier for an omni policy's media encoders, which start untrained while
+    the LM is warm-started (1 = the LM's rate)."""
     warmup_steps: int = 0
     """Linear learning-rate warmup over the first N optimizer steps."""
     weight_decay: float = 0.0

@@ -288,6 +288,7 @@ def validate(cfg: RunConfig) -> list[str]:
     t = cfg.train
     _positive(e, "train.total_steps", t.total_steps)
     _positive(e, "train.lr", t.lr)
+    _positive(e, "train.encoder_lr_scale", t.encoder_lr_scale)
     _positive(e, "train.weight_decay", t.weight_decay, allow_zero=True)
     _positive(e, "train.warmup_steps", t.warmup_steps, allow_zero=True)
     _positive(e, "train.grad_clip", t.grad_clip, allow_zero=True)

@@ -137,6 +137,11 @@ class TinyOmni(nn.Module):
                 rows.append(embeds[row])
         return torch.stack(rows)
 
+    @staticmethod
+    def is_encoder_parameter(name: str) -> bool:
+        """Whether parameter `name` belongs to a media encoder (everything outside the LM)."""
+        return not name.startswith("lm.")
+
     def get_decoder(self) -> nn.Module:
         return self.lm.get_decoder()
 

@@ -215,7 +215,7 @@ class AsyncTrainer:
         from relax_core.services.media import resolver_for
         from relax_core.services.weights import make_sender
         from relax_core.sync.buckets import specs_of
-        from relax_core.train.torch_backend import TorchBackend
+        from relax_core.train.torch_backend import build_backend
 
         self.ctx = ctx
         cfg = self.cfg = ctx.cfg
@@ -228,10 +228,7 @@ class AsyncTrainer:
                 f"not {ctx.run_id!r}"
             )
         self.model, self.tokenizer = load_policy(ctx.checkpoint, cfg.model.dtype)
-        t = cfg.train
-        self.backend = TorchBackend(
-            self.model, t.lr, t.weight_decay, t.grad_clip, cfg.rollout.temperature, t.warmup_steps
-        )
+        self.backend = build_backend(self.model, cfg.train, cfg.rollout.temperature)
         if os.path.isfile(os.path.join(ctx.checkpoint, "optimizer.pt")):
             self.backend.load(ctx.checkpoint)
         self.cores = CoreShare.from_env(ctx.name) if s.trainer_threads == 0 else None

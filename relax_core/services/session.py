@@ -25,7 +25,7 @@ from relax_core.rollout.torch_engine import TorchEngine
 from relax_core.services.media import prompt_source, resolver_for
 from relax_core.sync.inprocess import InProcessSync
 from relax_core.train import checkpoint as ckpt
-from relax_core.train.torch_backend import TorchBackend
+from relax_core.train.torch_backend import build_backend
 
 
 @dataclass
@@ -66,10 +66,7 @@ class RunSession:
             engine_model, self.tokenizer.eos_token_id, self.pad_token_id, seed=cfg.seed
         )
         self.engine.version = state.policy_version
-        t = cfg.train
-        self.backend = TorchBackend(
-            self.model, t.lr, t.weight_decay, t.grad_clip, cfg.rollout.temperature, t.warmup_steps
-        )
+        self.backend = build_backend(self.model, cfg.train, cfg.rollout.temperature)
         self.sync = InProcessSync([self.engine])
         self.ref_model = None
         if cfg.algorithm.kl_coef > 0:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 from transformers import PreTrainedModel
 
+from relax_core.config import TrainConfig
 from relax_core.multimodal.protocol import MultimodalDecoder
 from relax_core.train.backend import MicroBatchLoss
 from relax_core.train.batch import MicroBatch
@@ -45,6 +46,17 @@ def response_logprobs(
     return logprobs, entropy
 
 
+def _param_groups(model: torch.nn.Module, lr_scale: Callable[[str], float] | None) -> list[dict]:
+    """Trainable parameters grouped by learning-rate multiplier (`lr_scale(name)`, 1.0 without
+    one), in first-seen order so the optimizer state of a checkpoint maps back to the same
+    parameters."""
+    groups: dict[float, list[torch.nn.Parameter]] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            groups.setdefault(1.0 if lr_scale is None else lr_scale(name), []).append(param)
+    return [{"params": params, "lr_scale": scale} for scale, params in groups.items()]
+
+
 class TorchBackend:
     def __init__(
         self,
@@ -54,6 +66,7 @@ class TorchBackend:
         grad_clip: float = 1.0,
         temperature: float = 1.0,
         warmup_steps: int = 0,
+        lr_scale: Callable[[str], float] | None = None,
     ) -> None:
         self.model = model.train()
         self.lr = lr
@@ -61,10 +74,7 @@ class TorchBackend:
         self.grad_clip = grad_clip
         self.temperature = temperature
         self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=lr,
-            weight_decay=weight_decay,
-            betas=(0.9, 0.99),
+            _param_groups(model, lr_scale), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99)
         )
         self.before_micro_batch: Callable[[], None] | None = None
         """Called before each micro-batch's forward (e.g. to take cores other roles freed)."""
@@ -98,7 +108,8 @@ class TorchBackend:
             self._set_lr()
             self.optimizer.step()
         sums["grad_norm"] = grad_norm
-        sums["lr"] = self.optimizer.param_groups[0]["lr"]
+        first = self.optimizer.param_groups[0]
+        sums["lr"] = first["lr"] / first["lr_scale"]
         sums["skipped_step"] = 0.0 if math.isfinite(grad_norm) else 1.0
         return sums
 
@@ -108,7 +119,7 @@ class TorchBackend:
         done = int(state["step"]) if state else 0
         scale = min(1.0, (done + 1) / self.warmup_steps) if self.warmup_steps else 1.0
         for group in self.optimizer.param_groups:
-            group["lr"] = self.lr * scale
+            group["lr"] = self.lr * scale * group["lr_scale"]
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self.model.named_parameters():
@@ -123,3 +134,20 @@ class TorchBackend:
         path = os.path.join(directory, OPTIMIZER_FILE)
         state = torch.load(path, map_location="cpu", weights_only=True)
         self.optimizer.load_state_dict(state)
+
+
+def build_backend(model: PreTrainedModel, train: TrainConfig, temperature: float) -> TorchBackend:
+    """The trainer's backend for `model` under the run's `train` settings."""
+    encoders = getattr(model, "is_encoder_parameter", None)
+    scale = None
+    if encoders is not None and train.encoder_lr_scale != 1.0:
+        scale = lambda name: train.encoder_lr_scale if encoders(name) else 1.0  # noqa: E731
+    return TorchBackend(
+        model,
+        train.lr,
+        train.weight_decay,
+        train.grad_clip,
+        temperature,
+        train.warmup_steps,
+        lr_scale=scale,
+    )

@@ -6,6 +6,8 @@ its media is refused."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -148,3 +150,37 @@ def test_placeholders_must_fit_the_media(policy):
     assert torch.equal(embeds[0, -1], token)
     with pytest.raises(ValueError, match="media kind 'text' is not one of"):
         SPEC.tokens_for("text")
+
+
+def test_encoder_lr_scale_moves_only_the_encoders_faster(policy, tmp_path):
+    """`train.encoder_lr_scale`: the encoders' optimizer group runs at lr x scale, the LM's at
+    lr, and a resumed optimizer keeps the split."""
+    from relax_core.config import TrainConfig
+    from relax_core.train.torch_backend import build_backend
+
+    model, tok, media_id = policy
+    model = copy.deepcopy(model).train()
+    backend = build_backend(model, TrainConfig(lr=1e-3, encoder_lr_scale=8.0), temperature=1.0)
+    prompts, media = _rows(tok, media_id)
+    mb = make_micro_batch(prompts, [[5, 6]] * 4, [[1, 1]] * 4, tok.pad_token_id)
+    mb = type(mb)(**{**mb.__dict__, "media": media})
+    metrics = backend.train_step([mb], lambda lp, ent, b: (-lp.sum(), {}))
+    assert metrics["lr"] == pytest.approx(1e-3)  # the run's (LM's) rate is what is reported
+    rates = {}
+    for group in backend.optimizer.param_groups:
+        for p in group["params"]:
+            rates[id(p)] = group["lr"]
+    named = dict(model.named_parameters())
+    assert rates[id(named["image_in.0.weight"])] == pytest.approx(8e-3)
+    assert rates[id(named["motion_in.weight"])] == pytest.approx(8e-3)
+    assert rates[id(named["lm.model.embed_tokens.weight"])] == pytest.approx(1e-3)
+    backend.save(str(tmp_path))
+    again = build_backend(model, TrainConfig(lr=1e-3, encoder_lr_scale=8.0), temperature=1.0)
+    again.load(str(tmp_path))
+    scales = [g["lr_scale"] for g in again.optimizer.param_groups]
+    assert sorted(scales) == [1.0, 8.0]
+    assert scales == [g["lr_scale"] for g in backend.optimizer.param_groups]
+    assert (
+        again.optimizer.state_dict()["state"].keys()
+        == backend.optimizer.state_dict()["state"].keys()
+    )
