@@ -6,7 +6,10 @@ Parts:
   placeholders each kind of medium takes in a prompt (`tokens_for`);
 - encoder inputs are `MediaInput`s (kind + tensor) made by multimodal/features.py's
   `media_input` from decoded media, sized by the spec;
-- `TinyOmni`: the LM plus three encoders: image patches (an MLP, plus a position per patch);
+- `TinyOmni`: the LM plus three encoders: image patches (an MLP, plus a position per patch,
+  plus a convolution max-pooled over the whole image added to each, so what the image shows
+  reaches every image token wherever it sits: patch tokens alone left colour and shape
+  unlearned in 150 RL steps);
   audio log-mels standardized per clip (two strided convolutions, pooled to `audio_tokens`);
   video frames, one token each: the frame's image patches averaged (what it shows) plus a
   convolution over its change since the previous frame, max-pooled (what moved, and which way,
@@ -34,6 +37,9 @@ from torch import nn
 from relax_core.multimodal.features import MediaInput, patchify
 
 MEDIA_TOKEN = "<media>"
+ENCODERS_VERSION = 2
+"""Bumped whenever the encoders' layers change, so a cached prepared policy of older encoders is
+not taken for the current ones (models/policy.py keys the cache on it)."""
 SPEC_FILE = "omni.json"
 WEIGHTS_FILE = "omni.safetensors"
 
@@ -74,6 +80,9 @@ class TinyOmni(nn.Module):
         patch_dim = 3 * spec.patch * spec.patch
         self.image_in = nn.Sequential(nn.Linear(patch_dim, d), nn.GELU(), nn.Linear(d, d))
         self.image_pos = nn.Parameter(torch.zeros(spec.image_tokens, d))
+        # What the image shows wherever it is: a convolution max-pooled over the image, added to
+        # every patch token (colour and edge detectors fire at any position).
+        self.glance_in = nn.Conv2d(3, d, kernel_size=5, padding=2)
         self.audio_in = nn.Sequential(
             nn.Conv1d(spec.n_mels, d, 3, stride=2, padding=1),
             nn.GELU(),
@@ -92,7 +101,8 @@ class TinyOmni(nn.Module):
         """[tokens_for(kind), hidden] embeddings of one medium."""
         x = item.tensor.to(self.image_pos.dtype)
         if item.kind == "image":
-            return self.image_in(patchify(x, self.spec.patch)) + self.image_pos
+            glance = nn.functional.gelu(self.glance_in(x)).amax((1, 2))  # [d]
+            return self.image_in(patchify(x, self.spec.patch)) + self.image_pos + glance
         if item.kind == "audio":
             # Per-clip standardized log-mels: the pattern over time counts, not the loudness.
             x = (x - x.mean()) / (x.std() + 1e-5)

@@ -27,6 +27,7 @@ from relax_core.config import (
 )
 from relax_core.config_checks import QWEN_MULTIMODAL
 from relax_core.models.omni import (
+    ENCODERS_VERSION,
     OMNI_FIELDS,
     TinyOmni,
     add_media_token,
@@ -81,6 +82,8 @@ class PolicySpec:
         model = dataclasses.asdict(self.model)
         if self.model.kind != "tiny-omni":  # the encoder fields shape nothing else
             model = {k: v for k, v in model.items() if k not in OMNI_FIELDS}
+        else:
+            model["encoders_version"] = ENCODERS_VERSION
         parts: dict[str, object] = {
             "model": model,
             "warm_start": dataclasses.asdict(self.warm_start),

@@ -121,7 +121,7 @@ def test_gradients_reach_every_encoder(policy, tmp_path):
     logprobs, _ = response_logprobs(model, mb, temperature=1.0)
     logprobs.sum().backward()
     encoders = ("image_in.0.weight", "audio_in.0.weight", "audio_out.weight", "video_out.weight")
-    for name in (*encoders, "motion_in.weight"):
+    for name in (*encoders, "motion_in.weight", "glance_in.weight"):
         grad = dict(model.named_parameters())[name].grad
         assert grad is not None and grad.abs().sum() > 0, name
     model.zero_grad()
