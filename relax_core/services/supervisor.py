@@ -37,6 +37,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field, fields
 
@@ -234,6 +235,7 @@ class Supervisor:
         self._env = env
         self.pool = ElasticPool(self.cfg, self.queue, self)
         try:
+            _unwind_on_sigterm()
             if self.cfg.services.scale_api:
                 self._serve_scale_api()
             self._start_all()
@@ -377,3 +379,16 @@ class Supervisor:
 def run_async_local(cfg: RunConfig, checkpoint: str) -> str:
     """Train from `checkpoint` to `train.total_steps` with every role its own process."""
     return Supervisor(cfg, checkpoint).run()
+
+
+def _unwind_on_sigterm() -> None:
+    """Make SIGTERM (a `kill`, a pod being stopped) unwind like Ctrl-C, so `run`'s cleanup stops
+    every role: by default it ends this process at once and leaves the roles running with no
+    supervisor. Only the main thread may set handlers; elsewhere the caller's stay."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def _exit(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)

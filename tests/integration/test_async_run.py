@@ -289,3 +289,24 @@ def test_a_silent_or_failing_role_is_recovered_until_the_budget_is_spent(
         "run gave up",
     ], titles
     assert notes[-1]["type"] == "failure" and "rollout-0" in notes[-1]["message"]
+
+
+def test_a_terminated_launcher_stops_every_role(small_config, workdir):
+    """SIGTERM to the launcher (a `kill`, a stopped pod) stops the roles it started instead of
+    leaving them running without a supervisor."""
+    cfg = small_config("t.yaml", run_name="t", **ASYNC, train={"total_steps": 100000})
+    proc = _run(cfg)
+    deadline, pids = time.time() + 240, {}
+    while time.time() < deadline and len(pids) < 3:  # rollout, advantages, trainer
+        assert proc.poll() is None, proc.communicate()[0]
+        pids = {b["role"]: b["info"]["pid"] for b in _beats(workdir) if b["info"].get("pid")}
+        time.sleep(0.2)
+    assert len(pids) == 3, pids
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, out
+    deadline = time.time() + 10  # an exited role may stay a zombie until it is reaped
+    while time.time() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids.values()):
+        time.sleep(0.1)
+    running = {role: pid for role, pid in pids.items() if os.path.exists(f"/proc/{pid}")}
+    assert not running, f"still running after the launcher ended: {running}"
