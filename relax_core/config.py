@@ -112,7 +112,8 @@ class RolloutConfig:
     groups_per_step: int = 32
     """Prompt groups one optimizer step consumes."""
     max_new_tokens: int = 4
-    """Generation budget per response; longer responses end with finish_reason 'length'."""
+    """Generation budget per response (per model turn of an agentic run, whose episodes
+    env.max_episode_tokens caps); longer responses end with finish_reason 'length'."""
     temperature: float = 1.0
     """Sampling temperature (> 0)."""
     top_p: float = 1.0
@@ -154,6 +155,22 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
+class EnvConfig:
+    """Agentic multi-turn episodes (relax_core/envs): empty name = single-turn prompts."""
+
+    name: str = ""
+    """'' = single-turn; a shipped env ('calculator', 'guess_number') or a user env
+    'module:Class'. The env's rewards replace reward.name's."""
+    max_turns: int = 4
+    """Model turns per episode (an episode also ends on the env's done)."""
+    max_episode_tokens: int = 64
+    """Response tokens per episode, model and observation tokens together; an episode that
+    reaches it is truncated (finish_reason 'length')."""
+    kwargs: dict[str, str] = field(default_factory=dict)
+    """Keyword arguments the env class is built with (strings)."""
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     loss: str = "grpo"
     """Policy loss."""
@@ -173,7 +190,8 @@ class AlgorithmConfig:
     """Entropy bonus weight."""
     loss_agg: str = "token_mean"
     """How per-token losses reduce to one number: token_mean, seq_mean_token_mean, or dr_grpo
-    (token sum over a fixed denominator: sequences x rollout.max_new_tokens)."""
+    (token sum over a fixed denominator: sequences x rollout.max_new_tokens, or
+    env.max_episode_tokens in a multi-turn run)."""
     dual_clip: float = 0.0
     """Dual-clip constant c > 1 capping negative-advantage token losses at -A*c (0 = off)."""
     sapo_tau_pos: float = 1.0
@@ -357,6 +375,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)

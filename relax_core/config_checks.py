@@ -39,6 +39,8 @@ IS_MODES = ("none", "tis", "mis")
 IS_LEVELS = ("token", "sequence")
 DTYPES = ("float32", "bfloat16")
 ENGINES = ("torch", "sglang")
+TINY_POSITIONS = 512
+"""Positions of the tiny models (models/tiny.py): prompt + response must fit."""
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MODEL_URI = re.compile(r"models:/(?P<name>[^/@]+)(/(?P<version>[0-9]+|latest)|@(?P<alias>[\w-]+))")
 """An MLflow registry reference: models:/<name>/<version>, models:/<name>/latest or
@@ -117,10 +119,12 @@ def _check_algorithm(e: list[str], cfg: RunConfig) -> None:
         )
     _positive(e, "rollout.max_sampling_rounds", r.max_sampling_rounds)
     _positive(e, "reward.overlong_buffer", w.overlong_buffer, allow_zero=True)
-    if w.overlong_buffer >= r.max_new_tokens > 0:
+    budget, budget_name = r.max_new_tokens, "rollout.max_new_tokens"
+    if cfg.env.name:
+        budget, budget_name = cfg.env.max_episode_tokens, "env.max_episode_tokens"
+    if w.overlong_buffer >= budget > 0:
         e.append(
-            f"reward.overlong_buffer: {w.overlong_buffer} must be below rollout.max_new_tokens "
-            f"({r.max_new_tokens})"
+            f"reward.overlong_buffer: {w.overlong_buffer} must be below {budget_name} ({budget})"
         )
     if w.overlong_penalty < 0:
         e.append(f"reward.overlong_penalty: must be >= 0, got {w.overlong_penalty}")
@@ -142,6 +146,26 @@ def _check_qwen(e: list[str], cfg: RunConfig) -> None:
         e.append(
             f"warm_start.steps: the warm start feeds media to tiny-omni policies only; use 0 "
             f"with model.kind {m.kind!r}"
+        )
+
+
+def _check_env(e: list[str], cfg: RunConfig) -> None:
+    """Episode limits of a multi-turn run (the env itself is resolved at preflight)."""
+    v, r = cfg.env, cfg.rollout
+    if not v.name.strip():
+        if v.kwargs:
+            e.append("env.kwargs: set, but env.name is empty (a single-turn run has no env)")
+        return
+    _positive(e, "env.max_turns", v.max_turns)
+    if v.max_episode_tokens < r.max_new_tokens:
+        e.append(
+            f"env.max_episode_tokens: {v.max_episode_tokens} is below rollout.max_new_tokens "
+            f"({r.max_new_tokens}), the budget of a single turn"
+        )
+    if cfg.model.kind in ("tiny-qwen3", "tiny-omni") and v.max_episode_tokens >= TINY_POSITIONS:
+        e.append(
+            f"env.max_episode_tokens: {v.max_episode_tokens} leaves no room for the prompt in "
+            f"the tiny model's {TINY_POSITIONS} positions"
         )
 
 
@@ -263,6 +287,7 @@ def validate(cfg: RunConfig) -> list[str]:
         e.append("rollout.max_staleness: colocate mode is strict on-policy and needs 0")
     _positive(e, "rollout.max_staleness", r.max_staleness, allow_zero=True)
     _check_services(e, cfg)
+    _check_env(e, cfg)
     q = cfg.queue
     if not q.root:
         e.append("queue.root: required (a local directory or s3://bucket/prefix)")

@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -20,6 +20,7 @@ from transformers.utils import logging as hf_logging
 
 from relax_core.config import (
     DataConfig,
+    EnvConfig,
     ModelConfig,
     RunConfig,
     WarmStartConfig,
@@ -54,10 +55,14 @@ class PolicySpec:
     data_fingerprint: str = ""
     registry_uri: str = ""
     """The MLflow tracking URI a `models:/<name>/<version>` source is read from."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """An agentic run's env: the warm start learns its demonstration episodes."""
 
     @classmethod
     def of(cls, cfg: RunConfig, data_fingerprint: str = "", registry_uri: str = "") -> PolicySpec:
-        return cls(cfg.model, cfg.warm_start, cfg.data, cfg.seed, data_fingerprint, registry_uri)
+        return cls(
+            cfg.model, cfg.warm_start, cfg.data, cfg.seed, data_fingerprint, registry_uri, cfg.env
+        )
 
     def to_json(self) -> str:
         """Canonical JSON (sorted keys): equal specs give equal text, so it can key a cache."""
@@ -67,7 +72,12 @@ class PolicySpec:
     def from_json(cls, text: str) -> PolicySpec:
         data = json.loads(text)
         sections = config_from_dict(
-            {"model": data["model"], "warm_start": data["warm_start"], "data": data["data"]}
+            {
+                "model": data["model"],
+                "warm_start": data["warm_start"],
+                "data": data["data"],
+                "env": data.get("env") or {},
+            }
         )
         return cls(
             sections.model,
@@ -76,6 +86,7 @@ class PolicySpec:
             data["seed"],
             data["data_fingerprint"],
             data.get("registry_uri", ""),
+            sections.env,
         )
 
     def key(self) -> str:
@@ -94,6 +105,8 @@ class PolicySpec:
         if self.warm_start.steps > 0:
             d = self.data
             parts["data"] = [d.train_path, d.template, d.system_prompt, self.data_fingerprint]
+            if self.env.name:  # absent otherwise, so single-turn policies keep their keys
+                parts["env"] = dataclasses.asdict(self.env)
         digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
         name = {"tiny-qwen3": "tiny", "tiny-omni": "omni"}.get(self.model.kind, "pretrained")
         return f"{name}-{digest}"
@@ -203,7 +216,7 @@ def _base_model(spec: PolicySpec, cache_dir: str):
 def _run_warm_start(cfg: PolicySpec, model, tokenizer) -> list[float]:
     from relax_core.data.dataset import load_prompts
     from relax_core.data.templates import render_prompt
-    from relax_core.train.warm_start import warm_start
+    from relax_core.train.warm_start import answer_example, warm_start
 
     rows = load_prompts(cfg.data.train_path)
     system = cfg.data.system_prompt or None
@@ -214,15 +227,60 @@ def _run_warm_start(cfg: PolicySpec, model, tokenizer) -> list[float]:
         usable, _ = split_by_media(rows, MediaResolver(model.spec, media_limits(cfg.data)))
         rows = [row for row, _ in usable]
         media = [inputs for _, inputs in usable]
-    examples = []
+    prompt_ids = []
     for row in rows:
         text = render_prompt(row["prompt"], cfg.data.template, tokenizer, system)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if isinstance(model, TinyOmni):
             ids = media_placeholders(row, model.spec, model.media_token_id) + ids
-        examples.append((ids, row["answer"]))
+        prompt_ids.append(ids)
+    if cfg.env.name:
+        examples, media = demonstration_examples(cfg, model, tokenizer, rows, prompt_ids, media)
+    else:
+        pairs = zip(rows, prompt_ids, strict=True)
+        examples = [answer_example(tokenizer, ids, row["answer"]) for row, ids in pairs]
     w = cfg.warm_start
     losses = warm_start(
         model, tokenizer, examples, w.steps, w.lr, w.batch_size, cfg.seed, media=media
     )
     return [round(x, 4) for x in losses[:: max(1, len(losses) // 20)]]
+
+
+def demonstration_examples(cfg: PolicySpec, model, tokenizer, rows, prompt_ids, media):
+    """Warm-start examples of an agentic run: each row's demonstration played against the env
+    (rollout/demonstrations.py), kept only when the env accepts it as a correct, complete
+    episode. Returns the examples and the media of the rows kept (None for text)."""
+    from relax_core.envs import DEMONSTRATIONS, resolve_env
+    from relax_core.rollout.demonstrations import demonstration_episode
+    from relax_core.rollout.multiturn import EpisodeLimits
+    from relax_core.rollout.observations import ObservationRenderer, OmniObservationMedia
+
+    v = cfg.env
+    if v.name not in DEMONSTRATIONS:
+        raise ValueError(
+            f"warm_start.steps: env {v.name!r} ships no demonstrations; the warm start of a "
+            f"multi-turn run needs one of {', '.join(sorted(DEMONSTRATIONS))} (or steps: 0)"
+        )
+    factory = resolve_env(v.name, **v.kwargs)
+    limits = EpisodeLimits(v.max_turns, v.max_episode_tokens)
+    observed = None
+    if isinstance(model, TinyOmni):
+        from relax_core.multimodal.inputs import MediaResolver
+
+        resolver = MediaResolver(model.spec, media_limits(cfg.data))
+        observed = OmniObservationMedia(resolver, model.spec, model.media_token_id)
+    render = ObservationRenderer(tokenizer, cfg.data.template, observed)
+    examples, kept_media = [], []
+    for i, (row, ids) in enumerate(zip(rows, prompt_ids, strict=True)):
+        turns = DEMONSTRATIONS[v.name](row)
+        ep = demonstration_episode(tokenizer, factory, row, ids, turns, limits, render)
+        if ep.correct and ep.end_reason == "done":
+            examples.append((ids, ep.response_ids, ep.loss_mask))
+            if media is not None:
+                kept_media.append(media[i])
+    if not examples:
+        raise ValueError(
+            f"warm_start.steps: no demonstration of env {v.name!r} fits env.max_turns "
+            f"{v.max_turns} and env.max_episode_tokens {v.max_episode_tokens}"
+        )
+    return examples, (kept_media if media is not None else None)

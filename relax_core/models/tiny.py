@@ -12,6 +12,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from relax_core.config import ModelConfig
+from relax_core.config_checks import TINY_POSITIONS
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 # Digits, arithmetic, the 'Answer:' convention and plain English letters cover the shipped tasks.
@@ -46,7 +47,7 @@ def build_tiny_qwen3(cfg: ModelConfig, vocab_size: int, seed: int) -> Qwen3ForCa
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=512,
+        max_position_embeddings=TINY_POSITIONS,
         tie_word_embeddings=cfg.tie_embeddings,
         rope_theta=cfg.rope_theta,
         bos_token_id=1,

@@ -31,6 +31,7 @@ from relax_core.queue import (
 )
 from relax_core.queue.admission import VOID
 from relax_core.services.audit import record_trained
+from relax_core.services.env_rollout import response_budget
 from relax_core.services.evaluation import accuracy_by_modality
 from relax_core.services.role import RoleContext, set_threads
 from relax_core.services.session import RunState
@@ -199,12 +200,17 @@ def _batch_metrics(batch: pa.Table) -> dict[str, float]:
 
 
 def _entry_metrics(metas: list[dict[str, Any]]) -> dict[str, float]:
-    """Rollout time and token totals of the entries read since the last step."""
+    """Rollout time and token totals of the entries read since the last step, and the mean
+    over those entries of their `rollout/` metrics (an agentic run's turns, tool calls...)."""
     out = dict.fromkeys(_SUMMED, 0.0)
+    means: dict[str, list[float]] = {}
     for meta in metas:
         for key, value in (meta.get("metrics") or {}).items():
             if key in out:
                 out[key] += float(value)
+            elif key.startswith("rollout/"):
+                means.setdefault(key, []).append(float(value))
+    out.update({key: sum(v) / len(v) for key, v in means.items()})
     return out
 
 
@@ -261,6 +267,7 @@ class AsyncTrainer:
         """Held-out greedy eval with the trainer's own weights (no copy, no sync)."""
         from relax_core.rewards.registry import build_reward
         from relax_core.rollout.torch_engine import TorchEngine
+        from relax_core.services.env_rollout import env_runner
         from relax_core.services.evaluation import evaluate
         from relax_core.services.media import prompt_source
 
@@ -273,10 +280,13 @@ class AsyncTrainer:
                 dtype=cfg.model.dtype,
                 seed=cfg.seed,
             )
-            self._eval = (source, reward)
-        source, reward = self._eval
+            self._eval = (source, reward, env_runner(cfg, self.model, tok))
+        source, reward, env = self._eval
         engine = TorchEngine(self.model, tok.eos_token_id, tok.pad_token_id, seed=cfg.seed)
+        engine.version = self.state.policy_version
         try:
+            if env is not None:
+                return env.evaluate(engine, source, cfg.rollout.max_new_tokens, cfg.data.eval_size)
             return evaluate(
                 engine, tok, source, reward, cfg.rollout.max_new_tokens, cfg.data.eval_size
             )
@@ -338,7 +348,7 @@ class AsyncTrainer:
             cfg.train.micro_batch_tokens,
             cfg.train.minibatches_per_step,
             train_version=v,
-            max_new_tokens=r.max_new_tokens,
+            max_new_tokens=response_budget(cfg),
             resolver=self.media,
         )
         t2 = time.perf_counter()

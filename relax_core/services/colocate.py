@@ -2,6 +2,7 @@
 
 Per step, with policy version v:
   PromptSource --prompts--> rollout_groups (TorchEngine, reward fn) --rows--> queue `rollout`
+  (an agentic run: EnvRunner.rollout plays multi-turn episodes instead, env rewards)
   (dynamic sampling: groups with equal rewards dropped, more prompts sampled, DAPO)
   `rollout` --> add_ref_logprobs (frozen reference when kl_coef > 0; teacher when distilling)
             --> queue `ref`
@@ -23,6 +24,7 @@ from relax_core.models.omni import TinyOmni
 from relax_core.queue import rows_to_table
 from relax_core.rollout.engine import SamplingParams
 from relax_core.services.advantages import add_advantages
+from relax_core.services.env_rollout import response_budget
 from relax_core.services.evaluation import evaluate
 from relax_core.services.reference import add_ref_logprobs
 from relax_core.services.rollout import informative_groups, rollout_groups, rollout_metrics
@@ -54,16 +56,21 @@ class ColocateController:
     def _generate(self, n_groups: int) -> tuple[list[dict], dict[str, float]]:
         s, cfg = self.s, self.s.cfg
         items, cursor = s.train_prompts.take(s.dataset_cursor, n_groups)
-        rows, metrics = rollout_groups(
-            s.engine,
-            s.tokenizer,
-            items,
-            self.params,
-            cfg.rollout.n_samples_per_prompt,
-            s.reward_fn,
-            cfg.reward.overlong_buffer,
-            cfg.reward.overlong_penalty,
-        )
+        if s.env is not None:
+            rows, metrics = s.env.rollout(
+                s.engine, items, self.params, cfg.rollout.n_samples_per_prompt
+            )
+        else:
+            rows, metrics = rollout_groups(
+                s.engine,
+                s.tokenizer,
+                items,
+                self.params,
+                cfg.rollout.n_samples_per_prompt,
+                s.reward_fn,
+                cfg.reward.overlong_buffer,
+                cfg.reward.overlong_penalty,
+            )
         s.state.dataset_cursor = cursor.to_dict()
         return rows, metrics
 
@@ -143,7 +150,7 @@ class ColocateController:
                 cfg.train.micro_batch_tokens,
                 cfg.train.minibatches_per_step,
                 train_version=v,
-                max_new_tokens=cfg.rollout.max_new_tokens,
+                max_new_tokens=response_budget(cfg),
                 resolver=s.media,
             )
         )
@@ -174,6 +181,10 @@ class ColocateController:
 
     def evaluate(self) -> dict[str, float]:
         s = self.s
+        if s.env is not None:
+            return s.env.evaluate(
+                s.engine, s.eval_prompts, s.cfg.rollout.max_new_tokens, s.cfg.data.eval_size
+            )
         return evaluate(
             s.engine,
             s.tokenizer,

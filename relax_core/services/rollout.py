@@ -2,7 +2,8 @@
 
 Parts: a PromptSource (dataset order), a RolloutEngine (tokens and log-probs), a reward function
 (scored per sample; a raising reward costs that sample, not the run). The same function serves the
-colocate controller and the standalone rollout service.
+colocate controller and the standalone rollout service. An agentic run (env.name set) plays
+multi-turn episodes instead (services/env_rollout.py), rows of the same schema.
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ def serve(ctx) -> None:
     from relax_core.rewards.registry import build_reward
     from relax_core.services.cores import CoreShare
     from relax_core.services.engines import drain_requested, pool_entry
+    from relax_core.services.env_rollout import env_runner
     from relax_core.services.media import prompt_source
     from relax_core.services.role import set_threads
     from relax_core.train.checkpoint import read_state
@@ -173,6 +175,7 @@ def serve(ctx) -> None:
         seed=cfg.seed,
     )
     prompts = prompt_source(cfg, "train", engine.model if not url else None, tokenizer, ctx.queue)
+    env = env_runner(cfg, engine.model if not url else None, tokenizer)
     ledger = AdmissionLedger(ctx.queue)
     # Blocks an earlier process of this worker admitted but never committed (it died): void
     # them and generate their prompts again, so the trainer neither waits for them nor loses them.
@@ -230,16 +233,20 @@ def serve(ctx) -> None:
             ctx.status["state"] = f"generating groups {first}..{first + count - 1}"
             busy = cores.busy(s.rollout_threads) if cores else contextlib.nullcontext()
             with busy:
-                rows, metrics = rollout_groups(
-                    engine,
-                    tokenizer,
-                    prompts.at(stream, count),
-                    params,
-                    r.n_samples_per_prompt,
-                    reward_fn,
-                    cfg.reward.overlong_buffer,
-                    cfg.reward.overlong_penalty,
-                )
+                items = prompts.at(stream, count)
+                if env is not None:
+                    rows, metrics = env.rollout(engine, items, params, r.n_samples_per_prompt)
+                else:
+                    rows, metrics = rollout_groups(
+                        engine,
+                        tokenizer,
+                        items,
+                        params,
+                        r.n_samples_per_prompt,
+                        reward_fn,
+                        cfg.reward.overlong_buffer,
+                        cfg.reward.overlong_penalty,
+                    )
             metrics["perf/rollout_wait_s"] = waited
             waited = 0.0
             ctx.queue.put(

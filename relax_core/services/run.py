@@ -48,6 +48,10 @@ def preflight(cfg: RunConfig) -> None:
     except (ValueError, TypeError) as exc:
         text = str(exc)
         problems.append(text if text.startswith("reward.") else f"reward.name: {text}")
+    if cfg.env.name:
+        from relax_core.services.env_rollout import check_env
+
+        problems += check_env(cfg)
     if cfg.model.kind == "pretrained" and cfg.model.source.startswith("models:"):
         from relax_core.tracking.registry import resolve_model_uri
 

@@ -22,6 +22,7 @@ from relax_core.models.policy import load_policy, load_teacher
 from relax_core.queue import STAGES, open_queue
 from relax_core.rewards.registry import build_reward
 from relax_core.rollout.torch_engine import TorchEngine
+from relax_core.services.env_rollout import env_runner
 from relax_core.services.media import prompt_source, resolver_for
 from relax_core.sync.inprocess import InProcessSync
 from relax_core.train import checkpoint as ckpt
@@ -90,6 +91,8 @@ class RunSession:
         """Rebuilds queue rows' encoder inputs (an omni policy); None for text."""
         self.train_prompts = prompt_source(cfg, "train", self.model, self.tokenizer, self.queue)
         self.eval_prompts = prompt_source(cfg, "eval", self.model, self.tokenizer, self.queue)
+        self.env = env_runner(cfg, self.model, self.tokenizer)
+        """Plays multi-turn episodes (env.name set); None for a single-turn run."""
         self.run_dir = os.path.join(cfg.checkpoint.dir, state.run_id)
 
     # ------------------------------------------------------------------ checkpoints
