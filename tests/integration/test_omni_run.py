@@ -1,7 +1,8 @@
-"""An omni-modal run end to end, colocate and async (every role an OS process): media prompts from
-a generated dataset with one corrupt clip and one missing video. The bad rows are quarantined with
-their reason and the run goes on; queue rows carry media by reference; MLflow has accuracy per
-modality at step 0 and at the end, held-out and on training rollouts."""
+"""An omni-modal run end to end, colocate and async (every role an OS process, the reference role
+included): media prompts from a generated dataset with one corrupt clip and one missing video. The
+bad rows are quarantined with their reason and the run goes on; queue rows carry media by
+reference; MLflow has accuracy per modality at step 0 and at the end, held-out and on training
+rollouts."""
 
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ OMNI = {
     "data": {"train_path": "omni/train.jsonl", "eval_path": "omni/eval.jsonl", "eval_size": 0},
     "rollout": {"n_samples_per_prompt": 2, "groups_per_step": 3, "max_new_tokens": 2},
     "reward": {"name": "multiple_choice"},
-    "train": {"total_steps": 3, "checkpoint_every": 3, "steps_per_node": 3},
+    # A KL term brings in the reference role, which rebuilds media from the rows too.
+    "algorithm": {"kl_coef": 0.1},
+    "train": {"total_steps": 3, "checkpoint_every": 3, "steps_per_node": 3, "encoder_lr_scale": 10},
 }
 KINDS = ("audio", "image", "video")
 
@@ -80,6 +83,8 @@ def test_an_omni_run_quarantines_bad_media_and_reports_each_modality(small_confi
     media = table.column("media").to_pylist()
     assert all(len(m) == 1 and m[0]["bytes"] is None for m in media)
     assert all(os.path.isfile(m[0]["uri"]) for m in media)
+    ref = queue.read("ref", queue.committed("ref")[0])
+    assert ref.column("ref_logprobs").null_count == 0
     run_id = state["tracking_run_id"]
     for kind in KINDS:
         steps = [s for s, _ in _history(workdir, run_id, f"eval/accuracy/{kind}")]
