@@ -14,11 +14,12 @@ counted for the tool-call validity metric). Every step's info is kept, JSON-enco
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
+
+from relax_core.user_code import import_attribute
 
 INFO_CORRECT = "correct"
 INFO_TOOL_CALL_VALID = "tool_call_valid"
@@ -143,28 +144,7 @@ def load_env(spec: str, **kwargs: Any) -> EnvFactory:
 
 
 def _import_attribute(spec: str) -> object:
-    module_name, sep, attr_path = spec.partition(":") if isinstance(spec, str) else ("", "", "")
-    module_name, attr_path = module_name.strip(), attr_path.strip()
-    if not sep or not module_name or not attr_path or ":" in attr_path:
-        raise ValueError(f"env {spec!r} must be written 'module:Class', e.g. 'my_pkg.envs:Maze'")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name is not None and (module_name + ".").startswith(e.name + "."):
-            raise ValueError(
-                f"env {spec!r}: module {module_name!r} cannot be found; "
-                "is it installed or on PYTHONPATH?"
-            ) from e
-        raise ValueError(f"env {spec!r}: importing {module_name!r} failed: {e}") from e
-    except Exception as e:
-        raise ValueError(
-            f"env {spec!r}: importing {module_name!r} failed: {type(e).__name__}: {e}"
-        ) from e
-    target: object = module
-    for part in attr_path.split("."):
-        if not hasattr(target, part):
-            raise ValueError(f"env {spec!r}: module {module_name!r} has no {attr_path!r}")
-        target = getattr(target, part)
+    target = import_attribute(spec, "env", "'module:Class', e.g. 'my_pkg.envs:Maze'")
     if inspect.ismodule(target):
         raise TypeError(f"env {spec!r} names a module, not a class")
     return target
