@@ -22,7 +22,7 @@ from relax_core.rollout.engine import RolloutEngine, SamplingParams
 from relax_core.rollout.multiturn import Episode, EpisodeLimits, episode_metrics, run_episodes
 from relax_core.rollout.observations import ObservationRenderer
 from relax_core.services.prompts import PromptItem, PromptSource
-from relax_core.services.rollout import rollout_metrics
+from relax_core.services.rollout import group_columns, rollout_metrics
 
 
 def check_env(cfg: RunConfig) -> list[str]:
@@ -113,8 +113,8 @@ class EnvRunner:
         t1 = time.perf_counter()
         budget = self.limits.max_episode_tokens
         rows = []
+        version = getattr(engine, "version", 0)
         for k, (item, ep) in enumerate(zip(picks, eps, strict=True)):
-            version = getattr(engine, "version", 0)
             fields = ep.row_fields(version)
             penalty = overlong_penalty(
                 len(ep.response_ids), budget, self.overlong_buffer, self.overlong_penalty_max
@@ -122,19 +122,8 @@ class EnvRunner:
             if penalty:
                 fields["reward"] -= penalty
                 fields["reward_info"]["overlong_penalty"] = penalty
-            group_id = f"e{item.epoch}-p{item.prompt_index}"
-            prompt_media = list(item.row.get("media") or [])
-            rows.append(
-                {
-                    "uid": f"{group_id}-s{k % n_samples}",
-                    "group_id": group_id,
-                    "prompt_index": item.prompt_index,
-                    "epoch": item.epoch,
-                    "prompt_ids": item.prompt_ids,
-                    **fields,
-                    "media": (prompt_media + ep.media) or item.row.get("media"),
-                }
-            )
+            media = list(item.row.get("media") or []) + ep.media
+            rows.append({**group_columns(item, k % n_samples), **fields, "media": media or None})
         metrics = rollout_metrics(rows)
         metrics.update(episode_metrics(eps, "rollout"))
         metrics.update(

@@ -20,6 +20,19 @@ from relax_core.services.prompts import PromptItem
 log = logging.getLogger(__name__)
 
 
+def group_columns(item: PromptItem, sample: int) -> dict[str, Any]:
+    """The columns that place sample `sample` of prompt `item` in its group (one group per
+    prompt of an epoch): uid, group_id, prompt_index, epoch, prompt_ids."""
+    group_id = f"e{item.epoch}-p{item.prompt_index}"
+    return {
+        "uid": f"{group_id}-s{sample}",
+        "group_id": group_id,
+        "prompt_index": item.prompt_index,
+        "epoch": item.epoch,
+        "prompt_ids": item.prompt_ids,
+    }
+
+
 def rollout_groups(
     engine: RolloutEngine,
     tokenizer: Any,
@@ -60,14 +73,9 @@ def rollout_groups(
         info = {"correct": res.correct, **res.info}
         if penalties[k]:
             info["overlong_penalty"] = penalties[k]
-        group_id = f"e{item.epoch}-p{item.prompt_index}"
         rows.append(
             {
-                "uid": f"{group_id}-s{k % n_samples}",
-                "group_id": group_id,
-                "prompt_index": item.prompt_index,
-                "epoch": item.epoch,
-                "prompt_ids": item.prompt_ids,
+                **group_columns(item, k % n_samples),
                 "response_ids": comp.response_ids,
                 "loss_mask": [1] * len(comp.response_ids),
                 "rollout_logprobs": comp.logprobs,
