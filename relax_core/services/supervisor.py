@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from relax_core.config import RunConfig, config_to_dict
 from relax_core.queue import open_queue
@@ -234,8 +235,8 @@ class Supervisor:
         env.setdefault("PYTHONUNBUFFERED", "1")
         self._env = env
         self.pool = ElasticPool(self.cfg, self.queue, self)
+        previous_sigterm = _unwind_on_sigterm()
         try:
-            _unwind_on_sigterm()
             if self.cfg.services.scale_api:
                 self._serve_scale_api()
             self._start_all()
@@ -256,6 +257,8 @@ class Supervisor:
                 self.queue.stop()
                 self._terminate(10.0)
             self._write_accounting()
+            if previous_sigterm is not None:
+                signal.signal(signal.SIGTERM, previous_sigterm)
         with open(os.path.join(self.run_dir, "final_checkpoint")) as f:
             return f.read().strip()
 
@@ -381,14 +384,15 @@ def run_async_local(cfg: RunConfig, checkpoint: str) -> str:
     return Supervisor(cfg, checkpoint).run()
 
 
-def _unwind_on_sigterm() -> None:
-    """Make SIGTERM (a `kill`, a pod being stopped) unwind like Ctrl-C, so `run`'s cleanup stops
-    every role: by default it ends this process at once and leaves the roles running with no
-    supervisor. Only the main thread may set handlers; elsewhere the caller's stay."""
+def _unwind_on_sigterm() -> Any:
+    """Make SIGTERM (a `kill`, a pod being stopped) unwind like Ctrl-C while the run lasts, so
+    `run`'s cleanup stops every role: by default it ends this process at once and leaves the
+    roles running with no supervisor. Returns the handler to restore; None off the main thread,
+    where handlers cannot be set and the caller's stay."""
     if threading.current_thread() is not threading.main_thread():
-        return
+        return None
 
     def _exit(signum: int, _frame: object) -> None:
         raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, _exit)
+    return signal.signal(signal.SIGTERM, _exit)
