@@ -1,0 +1,232 @@
+"""Megatron-core train backend: the TrainBackend protocol over a tensor/expert-parallel GPTModel.
+
+Parts: `model` builds the process groups, GPTModel (TransformerEngine layer spec when installed,
+else the local spec), DDP and the (distributed) Adam optimizer; `weights` loads HF weights as
+per-rank shards and gathers them back; `convert` maps Megatron <-> HF names; `logprobs` turns
+vocab-parallel logits into log-probs and entropy. One process per GPU (torchrun); every rank
+calls every method in the same order, each data-parallel rank with its own micro-batches
+(gradients are averaged over data-parallel ranks, so `loss_fn` normalizes per rank).
+
+Limits: pipeline parallel (pp) and context parallel (cp) must be 1 (NotImplementedError otherwise);
+the LM head runs over all positions (the torch backend runs it only at response positions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from relax_core.train.backend import MicroBatchLoss
+from relax_core.train.batch import MicroBatch
+from relax_core.train.megatron.config import MegatronParallel
+from relax_core.train.megatron.convert import megatron_to_hf_named
+from relax_core.train.megatron.logprobs import vocab_parallel_logprobs
+from relax_core.train.megatron.model import (
+    build_gpt,
+    build_optimizer,
+    init_parallel,
+    resolve_spec,
+    wrap_ddp,
+)
+from relax_core.train.megatron.weights import gathered_megatron, load_hf_into, write_safetensors
+
+DIST_CHECKPOINT_DIR = "megatron"
+"""Subdirectory of a checkpoint holding the sharded (dist_checkpointing) model and optimizer."""
+
+
+class MegatronBackend:
+    def __init__(
+        self,
+        hf_config: Any,
+        hf_state: dict[str, torch.Tensor],
+        parallel: MegatronParallel,
+        lr: float,
+        weight_decay: float = 0.0,
+        grad_clip: float = 1.0,
+        temperature: float = 1.0,
+        warmup_steps: int = 0,
+        dtype: str = "bfloat16",
+        spec: str = "auto",
+        max_sequence_length: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        for field, size in (("pp", parallel.pp), ("cp", parallel.cp)):
+            if size != 1:
+                raise NotImplementedError(
+                    f"MegatronParallel.{field}={size}: the Megatron backend supports only "
+                    f"{field}=1 (use tp/ep to split the model)"
+                )
+        parallel.check_model(hf_config)
+        init_parallel(parallel, seed)
+        self.hf_config = hf_config
+        self.parallel = parallel
+        self.spec = resolve_spec(spec)
+        self.lr, self.warmup_steps, self.temperature = lr, warmup_steps, temperature
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.model, config = build_gpt(hf_config, parallel, dtype, self.spec, max_sequence_length)
+        self.model.to(self.device)
+        load_hf_into(self.model, hf_state, hf_config, self.spec)
+        self.ddp = wrap_ddp(self.model, config, parallel)
+        self.optimizer = build_optimizer(self.ddp, lr, weight_decay, grad_clip, dtype, parallel)
+        self.steps = 0
+        """Optimizer steps taken (drives the warmup; saved in checkpoints)."""
+
+    def _forward(self, module: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, ...]:
+        ids = mb.input_ids.to(self.device)
+        width = ids.shape[1]
+        if self.parallel.sequence_parallel and width % self.parallel.tp:
+            # Sequence parallel splits the sequence over TP ranks; right padding changes nothing
+            # before it under causal attention.
+            ids = torch.nn.functional.pad(ids, (0, self.parallel.tp - width % self.parallel.tp))
+        positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+        # Rows are right-padded and attention is causal: no mask needed for real tokens.
+        logits = module(ids, positions, None)  # [B, S, V/tp]
+        index = mb.response_positions.to(self.device)
+        picked = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        return vocab_parallel_logprobs(picked, mb.response_ids.to(self.device), self.temperature)
+
+    @torch.no_grad()
+    def logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
+        self.model.eval()
+        try:
+            return [self._forward(self.model, mb)[0].cpu() for mb in micro_batches]
+        finally:
+            self.model.train()
+
+    def train_step(
+        self, micro_batches: list[MicroBatch], loss_fn: MicroBatchLoss
+    ) -> dict[str, float]:
+        from megatron.core.distributed import finalize_model_grads
+
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        sums: dict[str, float] = {}
+        total_seqs = sum(mb.num_seqs for mb in micro_batches)
+        for mb in micro_batches:
+            on_device = _to_device(mb, self.device)
+            logprobs, entropy = self._forward(self.ddp, on_device)
+            loss, metrics = loss_fn(logprobs, entropy, on_device)
+            loss.backward()
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value) * mb.num_seqs / total_seqs
+        finalize_model_grads([self.ddp])
+        self._set_lr()
+        updated, grad_norm, _ = self.optimizer.step()
+        if updated:
+            self.steps += 1
+        sums["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
+        sums["lr"] = self._lr()
+        sums["skipped_step"] = 0.0 if updated else 1.0
+        return sums
+
+    def _lr(self) -> float:
+        scale = min(1.0, (self.steps + 1) / self.warmup_steps) if self.warmup_steps else 1.0
+        return self.lr * scale
+
+    def _set_lr(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr()
+
+    def named_weights(self, fused_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full tensors (gathered over TP/EP) on every rank; see convert.py for the
+        expert layouts. Every rank must drain the iterator."""
+        yield from megatron_to_hf_named(
+            gathered_megatron(self.model, self.hf_config), self.hf_config, fused_experts
+        )
+
+    def save_hf(self, directory: str, shard_bytes: int = 5 * 2**30) -> None:
+        """HF-format export: config.json and safetensors shards with HF names, written by rank 0."""
+        write = _rank() == 0
+        if write:
+            os.makedirs(directory, exist_ok=True)
+            self.hf_config.save_pretrained(directory)
+        write_safetensors(self.named_weights(), directory, write, shard_bytes)
+
+    def save(self, directory: str) -> None:
+        """HF weights (for rollout engines and evaluation) plus a sharded Megatron checkpoint of
+        model and optimizer under `megatron/` (what `load` restores)."""
+        from megatron.core import dist_checkpointing
+
+        self.save_hf(directory)
+        path = os.path.join(directory, DIST_CHECKPOINT_DIR)
+        if _rank() == 0:
+            os.makedirs(path, exist_ok=True)
+        _barrier()
+        dist_checkpointing.save(self._sharded_state(is_loading=False), path)
+
+    def load(self, directory: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        path = os.path.join(directory, DIST_CHECKPOINT_DIR)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{directory} has no Megatron checkpoint ({path} missing)")
+        state = dist_checkpointing.load(self._sharded_state(is_loading=True), path)
+        result = self.model.load_state_dict(state["model"], strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        if missing:
+            raise ValueError(f"checkpoint {path} lacks model tensors, e.g. {missing[:3]}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state["steps"])
+
+    def _sharded_state(self, is_loading: bool) -> dict[str, Any]:
+        from megatron.core import parallel_state
+
+        metadata: dict[str, Any] = {
+            "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)
+        }
+        model_state = self.model.sharded_state_dict(metadata=metadata)
+        if self.parallel.distributed_optimizer:
+            metadata = {**metadata, "distrib_optim_sharding_type": "dp_reshardable"}
+        optimizer_state = self.optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=metadata
+        )
+        return {"model": model_state, "optimizer": optimizer_state, "steps": self.steps}
+
+
+def _to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
+    return dataclasses.replace(
+        mb,
+        input_ids=mb.input_ids.to(device),
+        attention_mask=mb.attention_mask.to(device),
+        response_ids=mb.response_ids.to(device),
+        response_positions=mb.response_positions.to(device),
+        loss_mask=mb.loss_mask.to(device),
+        extras={k: v.to(device) for k, v in mb.extras.items()},
+    )
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def build_megatron_backend(
+    model: Any, train: Any, temperature: float, parallel: MegatronParallel, dtype: str = "bfloat16"
+) -> MegatronBackend:
+    """The Megatron backend for an HF `model` (weights read once, then sharded) under the run's
+    `train` settings (a TrainConfig)."""
+    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    return MegatronBackend(
+        model.config,
+        state,
+        parallel,
+        train.lr,
+        train.weight_decay,
+        train.grad_clip,
+        temperature,
+        train.warmup_steps,
+        dtype=dtype,
+    )
