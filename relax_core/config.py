@@ -64,6 +64,10 @@ class ModelConfig:
     video_fps: float = 8.0
     """tiny-omni and the Qwen multimodal kinds: frame sampling rate of videos and frame
     folders."""
+    num_experts: int = 0
+    """Tiny model: routed experts per MoE layer (a Qwen3-MoE policy); 0 = a dense MLP."""
+    experts_per_token: int = 2
+    """Tiny MoE model: experts the router picks per token (top-k), 1..num_experts."""
 
 
 @dataclass(frozen=True)
@@ -218,6 +222,25 @@ class AlgorithmConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """train.backend 'megatron' (and 'fsdp': data parallel only): how the trainer's GPUs split
+    the policy. services.trainer_gpus = tensor x pipeline x context x data parallel."""
+
+    tensor: int = 1
+    """Tensor-parallel size (attention heads and MLP columns split across GPUs)."""
+    pipeline: int = 1
+    """Pipeline-parallel size (layers split into stages)."""
+    context: int = 1
+    """Context-parallel size (long sequences split across GPUs)."""
+    expert: int = 1
+    """Expert-parallel size of an MoE policy (experts split across GPUs)."""
+    sequence_parallel: bool = True
+    """Megatron sequence parallelism with tensor parallel (activations sharded between TP ops)."""
+    distributed_optimizer: bool = True
+    """Shard optimizer state across data-parallel ranks (Megatron's distributed optimizer)."""
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     total_steps: int = 100
     """Optimizer steps of RL (the final policy version)."""
@@ -247,6 +270,14 @@ class TrainConfig:
     """RL steps per Flyte node; the workflow recurses with a checkpoint between nodes."""
     torch_threads: int = 0
     """torch intra-op threads (0 = torch's default)."""
+    backend: str = "torch"
+    """'torch' (one process, transformers + AdamW: the CPU default), 'fsdp' (the same, sharded
+    with FSDP2 over services.trainer_gpus) or 'megatron' (Megatron-core: TP/PP/CP/EP,
+    distributed optimizer; the GPU image)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the trainer's GPUs split the policy (backend 'megatron'; 'fsdp' is data parallel)."""
+    routing_replay: bool = False
+    """R3 for an MoE policy: the trainer's routers use the experts the rollout engine chose."""
 
 
 @dataclass(frozen=True)
@@ -337,6 +368,35 @@ class ServicesConfig:
 
 
 @dataclass(frozen=True)
+class SGLangConfig:
+    """rollout.engine 'sglang': the SGLang server each rollout worker drives over HTTP."""
+
+    url: str = ""
+    """A running server to drive instead of starting one (the rollout pod's sidecar on a
+    cluster); '{worker}' in it is replaced by the rollout worker's number. Empty = each worker
+    starts `python -m sglang.launch_server` on the policy and stops it when it exits."""
+    python: str = ""
+    """Interpreter of SGLang's own venv or image (SGLang pins its own torch); empty =
+    $RELAX_SGLANG_PYTHON, else the Python running the rollout worker."""
+    mem_fraction_static: float = 0.8
+    """Share of GPU memory SGLang takes for weights and KV cache."""
+    pause_mode: str = "retract"
+    """How a weight update pauses generation: 'retract' (running requests go back to the queue
+    and their KV cache is recomputed under the new weights), 'in_place' (kept, finished under
+    the new weights: a partial rollout) or 'abort'."""
+    release_memory: bool = True
+    """Colocate on one GPU: the server frees its weights and KV cache while the trainer runs
+    (--enable-memory-saver, /release_memory_occupation) and takes them back after."""
+    handoff_dir: str = "/dev/shm/relax-weights"
+    """Colocate: where the trainer writes each version (safetensors) for
+    /update_weights_from_disk; node-local memory on a cluster."""
+    extra_args: str = ""
+    """More `sglang.launch_server` arguments, as on a command line (e.g. '--dp-size 2')."""
+    start_timeout_s: float = 900.0
+    """How long a started server may take to load the policy and answer /health."""
+
+
+@dataclass(frozen=True)
 class TrackingConfig:
     experiment: str = "relax"
     """MLflow experiment name."""
@@ -380,6 +440,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
     services: ServicesConfig = field(default_factory=ServicesConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 

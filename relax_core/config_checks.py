@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from relax_core.config_checks_gpu import check_gpu_stacks
+
 if TYPE_CHECKING:
     from relax_core.config import RewardConfig, RunConfig
 
@@ -216,6 +218,27 @@ def _check_services(e: list[str], cfg: RunConfig) -> None:
         )
 
 
+def _check_routing_replay(e: list[str], cfg: RunConfig) -> None:
+    """R3 replays an MoE policy's routers (models/routing_replay.py) on single-turn rows. A
+    pretrained policy is checked when it loads (attaching to a dense one names its class)."""
+    m = cfg.model
+    if m.kind == "tiny-qwen3" and m.num_experts == 0:
+        e.append(
+            "train.routing_replay: the policy is dense (model.num_experts is 0), so there are no "
+            "routers to replay; set model.num_experts > 0 or routing_replay: false"
+        )
+    elif m.kind not in ("tiny-qwen3", "pretrained"):
+        e.append(
+            f"train.routing_replay: needs a text MoE policy (model.kind 'tiny-qwen3' with "
+            f"model.num_experts > 0, or a pretrained MoE); model.kind {m.kind!r} is not one"
+        )
+    if cfg.env.name:
+        e.append(
+            "train.routing_replay: multi-turn rows (env.name set) carry no routed experts for "
+            "their observation tokens; use a single-turn run or routing_replay: false"
+        )
+
+
 def validate(cfg: RunConfig) -> list[str]:
     """Value checks that need no I/O; returns a list of problems (empty when fine)."""
     e: list[str] = []
@@ -260,6 +283,17 @@ def validate(cfg: RunConfig) -> list[str]:
             e.append("model.hidden_size: must be divisible by model.num_heads")
         if m.num_kv_heads > 0 and m.num_heads % m.num_kv_heads:
             e.append("model.num_heads: must be divisible by model.num_kv_heads")
+        _positive(e, "model.num_experts", m.num_experts, allow_zero=True)
+        if m.num_experts > 0 and not 1 <= m.experts_per_token <= m.num_experts:
+            e.append(
+                f"model.experts_per_token: must be in [1, model.num_experts={m.num_experts}], "
+                f"got {m.experts_per_token}"
+            )
+    if m.num_experts and m.kind != "tiny-qwen3":
+        e.append(
+            f"model.num_experts: the tiny MoE policy is built for model.kind 'tiny-qwen3', not "
+            f"{m.kind!r} (a pretrained MoE brings its own experts); use 0"
+        )
     _positive(e, "warm_start.steps", cfg.warm_start.steps, allow_zero=True)
     _positive(e, "warm_start.lr", cfg.warm_start.lr)
     _positive(e, "warm_start.batch_size", cfg.warm_start.batch_size)
@@ -267,15 +301,7 @@ def validate(cfg: RunConfig) -> list[str]:
     _positive(e, "data.eval_size", cfg.data.eval_size, allow_zero=True)
     r = cfg.rollout
     _choice(e, "rollout.engine", r.engine, ENGINES)
-    if r.engine == "sglang":
-        # The cluster graph (rollout pod with an SGLang sidecar) and the engine client are in
-        # place; the rollout service does not yet start from its sidecar, so refuse here
-        # rather than in a pod on a cluster.
-        e.append(
-            "rollout.engine: 'sglang' is not available in this build (rollout workers do not "
-            "yet drive their pod's sidecar); use 'torch', and add running SGLang servers to an "
-            "async run with `relax scale RUN --add-url URL`"
-        )
+    check_gpu_stacks(e, cfg)
     if r.n_samples_per_prompt < 2:
         e.append("rollout.n_samples_per_prompt: must be >= 2 (GRPO compares responses in a group)")
     _positive(e, "rollout.groups_per_step", r.groups_per_step)
@@ -328,6 +354,8 @@ def validate(cfg: RunConfig) -> list[str]:
     _positive(e, "train.steps_per_node", t.steps_per_node)
     _positive(e, "train.eval_every", t.eval_every, allow_zero=True)
     _positive(e, "train.torch_threads", t.torch_threads, allow_zero=True)
+    if t.routing_replay:
+        _check_routing_replay(e, cfg)
     if not cfg.run_name or "/" in cfg.run_name:
         e.append(f"run_name: must be a non-empty name without '/', got {cfg.run_name!r}")
     if not cfg.queue.root:

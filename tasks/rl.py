@@ -162,6 +162,18 @@ def _serve(role: str, cfg_json: str, checkpoint: str, worker: int = 0) -> None:
     run_role(role, serve_fn(role), _cfg(cfg_json), run_id, checkpoint, worker)
 
 
+def _serve_ranks(cfg_json: str, checkpoint: str) -> None:
+    """The trainer over the pod's GPUs: torchrun, one process per GPU (train/ranks.py)."""
+    import subprocess
+
+    from relax_core.services.supervisor import role_launcher
+    from relax_core.train.checkpoint import read_state
+
+    cmd = [*role_launcher(_cfg(cfg_json), "trainer"), "--cfg", cfg_json]
+    cmd += ["--run-id", read_state(checkpoint)["run_id"], "--checkpoint", checkpoint]
+    subprocess.run(cmd, check=True)
+
+
 @task(
     **ON_GPU,
     retries=3,
@@ -174,7 +186,10 @@ def trainer_service(cfg_json: str, checkpoint: str) -> str:
     from relax_core.train.checkpoint import list_checkpoints
 
     start = run.newest_checkpoint(checkpoint)
-    _serve("trainer", cfg_json, start)
+    if _cfg(cfg_json).services.trainer_gpus > 1:
+        _serve_ranks(cfg_json, start)
+    else:
+        _serve("trainer", cfg_json, start)
     run_dir = os.path.dirname(os.path.abspath(start))
     return list_checkpoints(run_dir)[-1]
 

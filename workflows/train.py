@@ -17,7 +17,7 @@ summary). How the steps run is a branch of the graph, chosen by the config:
 
 from __future__ import annotations
 
-from flytekit import conditional, dynamic, workflow
+from flytekit import Resources, conditional, dynamic, workflow
 
 from relax_core.config import RunConfig
 from relax_core.train.checkpoint import read_state
@@ -65,7 +65,11 @@ def async_roles(cfg_json: str, checkpoint: str) -> str:
     }
     for role, _, _ in stage_chain(cfg):
         services[role](cfg_json=cfg_json, checkpoint=checkpoint)
-    return trainer_service(cfg_json=cfg_json, checkpoint=checkpoint)
+    gpus = str(cfg.services.trainer_gpus)
+    return trainer_service(cfg_json=cfg_json, checkpoint=checkpoint).with_overrides(
+        requests=Resources(cpu="8", mem="64Gi", gpu=gpus),
+        limits=Resources(cpu="16", mem="96Gi", gpu=gpus),
+    )
 
 
 @workflow

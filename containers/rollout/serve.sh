@@ -10,5 +10,9 @@ poll="${RELAX_POLL_S:-2}"
 until [ -f "$model/READY" ]; do
     sleep "$poll"
 done
+# VERSION (written with the policy) is the policy version the server reports until the trainer's
+# first update, so the first completions are attributed to the right version.
+version="$(cat "$model/VERSION" 2>/dev/null || echo default)"
+# shellcheck disable=SC2086 # SGLANG_EXTRA_ARGS is a list of arguments
 exec python3 -m sglang.launch_server --model-path "$model" --host 127.0.0.1 --port "$port" \
-    --tp-size "$tp"
+    --tp-size "$tp" --weight-version "$version" --skip-tokenizer-init ${SGLANG_EXTRA_ARGS:-}

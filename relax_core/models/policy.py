@@ -42,6 +42,7 @@ from relax_core.models.omni import (
 from relax_core.multimodal.media import media_limits
 
 MARKER = "PREPARED.json"
+MOE_FIELDS = ("num_experts", "experts_per_token")
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,8 @@ class PolicySpec:
             model = {k: v for k, v in model.items() if k not in OMNI_FIELDS}
         else:
             model["encoders_version"] = ENCODERS_VERSION
+        if not self.model.num_experts:  # the MoE fields shape nothing of a dense policy
+            model = {k: v for k, v in model.items() if k not in MOE_FIELDS}
         parts: dict[str, object] = {
             "model": model,
             "warm_start": dataclasses.asdict(self.warm_start),

@@ -1,8 +1,10 @@
 """The RolloutEngine protocol: what the rollout role needs from any generation engine.
 
-Implementations: `TorchEngine` (HF transformers model in process; CPU default and tests). Engines
-generate from token ids and return token ids, so the tokenizer and chat template stay in one place
-(the rollout role) whatever serves the model.
+Implementations: `TorchEngine` (HF transformers model in process; CPU default and tests),
+`SGLangEngine` (an SGLang server over HTTP: sglang_engine.py, started by sglang_server.py) and
+`ColocatedSGLang` (the same server taking turns with the trainer on shared GPUs:
+sglang_colocate.py). Engines generate from token ids and return token ids, so the tokenizer and
+chat template stay in one place (the rollout role) whatever serves the model.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ class Completion:
     policy_version_max: int | None = None
     """Version that generated the last token, when a weight update landed mid-generation
     (partial rollout); None = every token came from `policy_version`."""
+    routed_experts: list[list[int]] | None = None
+    """MoE routing replay: the experts each token of prompt + response but the last was routed
+    to (len(prompt) + len(response) - 1 lists of num_layers * top_k ints, layer-major), as
+    SGLang's `routed_experts` reports them; None when the engine was not asked for them."""
 
 
 class RolloutEngine(Protocol):

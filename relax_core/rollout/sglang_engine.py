@@ -5,6 +5,11 @@ this side only speaks HTTP:
 - `POST /generate` with `input_ids` (a batch), `sampling_params` and `return_logprob`; each
   answer carries `output_ids`, `meta_info.output_token_logprobs` ([logprob, token_id, text]),
   `meta_info.finish_reason.type` ('stop', 'length', 'abort') and `meta_info.weight_version`.
+  With `return_routed_experts` (a server launched with `--enable-return-routed-experts`; routing
+  replay of an MoE policy), `meta_info.routed_experts` is base64 of an int32 array
+  [len(prompt) + len(output) - 1, num_hidden_layers, num_experts_per_tok], C order: the experts
+  every token but the last was routed to (SGLang: layers/moe/routed_experts_capturer.py reads
+  `seqlen - 1` tokens; managers/detokenizer_manager.py encodes `.numpy().tobytes()`).
 - `GET /health`, `GET /get_model_info` (weight_version), `GET /get_server_info` (tp_size).
 - `POST /pause_generation {"mode"}`, `POST /continue_generation`, `POST /flush_cache`,
   `POST /release_memory_occupation` / `/resume_memory_occupation` (colocate on one GPU).
@@ -17,20 +22,23 @@ version the engine held when the request went out is its first token's. When the
 weight update landed mid-generation (paused in place) and the completion says so through
 `policy_version_max`, as a partial rollout of the torch engine does.
 
-`launch_server` starts `python -m sglang.launch_server` (GPU machines; `gpu`-marked tests).
+sglang_server.py starts the server (or finds a running one) for a rollout worker.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import os
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+import numpy as np
 
 from relax_core.rollout.engine import Completion, SamplingParams
 
@@ -99,13 +107,17 @@ def parse_version(value: Any) -> int | None:
 class SGLangEngine:
     """A `RolloutEngine` backed by one SGLang server (any tensor-parallel size)."""
 
-    def __init__(self, client: SGLangClient, pause_mode: str = "in_place") -> None:
+    def __init__(
+        self, client: SGLangClient, pause_mode: str = "in_place", routed_experts: bool = False
+    ) -> None:
         if pause_mode not in ("abort", "retract", "in_place"):
             raise ValueError(
                 f"pause_mode must be 'abort', 'retract' or 'in_place', got {pause_mode!r}"
             )
         self.client = client
         self.pause_mode = pause_mode
+        self.routed_experts = routed_experts
+        """Ask for each completion's routed experts (routing replay of an MoE policy)."""
         self.version = -1
         """The newest policy version the server reported (-1: still its launch weights)."""
 
@@ -122,14 +134,14 @@ class SGLangEngine:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         first = self.version
-        answers = self.client.post(
-            "/generate",
-            {
-                "input_ids": prompts,
-                "sampling_params": sampling_body(params),
-                "return_logprob": True,
-            },
-        )
+        body = {
+            "input_ids": prompts,
+            "sampling_params": sampling_body(params),
+            "return_logprob": True,
+        }
+        if self.routed_experts:
+            body["return_routed_experts"] = True
+        answers = self.client.post("/generate", body)
         if isinstance(answers, dict):
             answers = [answers]
         if not isinstance(answers, list) or len(answers) != len(prompts):
@@ -137,10 +149,10 @@ class SGLangEngine:
             raise SGLangError(
                 f"{self.client.url}/generate answered {got} results for {len(prompts)} prompts"
             )
-        out = [self._completion(a, first, i) for i, a in enumerate(answers)]
+        out = [self._completion(a, first, i, len(prompts[i])) for i, a in enumerate(answers)]
         return out
 
-    def _completion(self, answer: Any, first: int, i: int) -> Completion:
+    def _completion(self, answer: Any, first: int, i: int, prompt_len: int) -> Completion:
         try:
             meta = answer["meta_info"]
             pairs = meta["output_token_logprobs"]
@@ -162,12 +174,17 @@ class SGLangEngine:
         last = served if served is not None else first
         self.version = max(self.version, last)
         start = first if first >= 0 else last
+        experts = None
+        if self.routed_experts:
+            where = f"{self.client.url}/generate result {i}"
+            experts = parse_routed_experts(meta, prompt_len + len(ids) - 1, where)
         return Completion(
             response_ids=ids,
             logprobs=logprobs,
             finish_reason=_FINISH.get(kind, "abort"),
             policy_version=start,
             policy_version_max=last if last != start else None,
+            routed_experts=experts,
         )
 
     def refresh_version(self) -> int:
@@ -216,6 +233,29 @@ class SGLangEngine:
             raise SGLangError(f"{self.client.url}/get_server_info has no usable tp_size") from err
 
 
+def parse_routed_experts(meta: dict[str, Any], num_tokens: int, where: str) -> list[list[int]]:
+    """`meta_info.routed_experts` (base64 of int32 [num_tokens, layers, top_k]) as one list of
+    layers * top_k ints per token; SGLangError naming the field when absent or malformed."""
+    value = meta.get("routed_experts")
+    if not isinstance(value, str):
+        raise SGLangError(
+            f"{where} has no meta_info.routed_experts (got {type(value).__name__}); start the "
+            "server with --enable-return-routed-experts for routing replay"
+        )
+    try:
+        flat = np.frombuffer(base64.b64decode(value, validate=True), dtype="<i4")
+    except (binascii.Error, ValueError) as err:
+        raise SGLangError(f"{where}: meta_info.routed_experts is not base64 int32 ({err})") from err
+    if num_tokens <= 0:
+        return []
+    if flat.size == 0 or flat.size % num_tokens:
+        raise SGLangError(
+            f"{where}: meta_info.routed_experts holds {flat.size} ints, not a whole number per "
+            f"token for {num_tokens} tokens (prompt + output - 1)"
+        )
+    return flat.reshape(num_tokens, -1).tolist()
+
+
 def sampling_body(params: SamplingParams) -> dict[str, Any]:
     """Our sampling parameters in SGLang's words. Greedy is temperature 0; EOS is never
     ignored and special tokens stay in the ids (the rollout role detokenizes)."""
@@ -241,42 +281,3 @@ def wait_healthy(client: SGLangClient, timeout_s: float, proc: subprocess.Popen 
             last = str(err)
         time.sleep(1.0)
     raise SGLangError(f"SGLang server {client.url} not healthy within {timeout_s:.0f}s: {last}")
-
-
-def launch_server(
-    model_path: str,
-    port: int,
-    tp_size: int = 1,
-    host: str = "127.0.0.1",
-    python: str | None = None,
-    extra_args: Sequence[str] = (),
-    log_path: str | None = None,
-    timeout_s: float = 900.0,
-) -> tuple[subprocess.Popen, SGLangClient]:
-    """Start `python -m sglang.launch_server` (from SGLang's own venv: `python` or
-    $RELAX_SGLANG_PYTHON) and wait until it is healthy. The caller stops the process."""
-    python = python or os.environ.get("RELAX_SGLANG_PYTHON", sys.executable)
-    cmd = [
-        python,
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        model_path,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--tp-size",
-        str(tp_size),
-        "--skip-tokenizer-init",
-        *extra_args,
-    ]
-    log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    client = SGLangClient(f"http://{host}:{port}")
-    try:
-        wait_healthy(client, timeout_s, proc)
-    except BaseException:
-        proc.kill()
-        raise
-    return proc, client

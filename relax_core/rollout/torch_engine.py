@@ -11,6 +11,10 @@ never with decode steps, whose new tokens are text. A policy with multimodal rot
 (multimodal/protocol.MultimodalDecoder) gives the prefill's positions [3, B, T]; a decode step's
 are the last ones + 1, as for text.
 
+Routing replay (models/routing_replay.py attached to an MoE policy): each forward records the
+experts its tokens were routed to, and a completion carries them for prompt + response but the
+last token (which no forward took as input), as SGLang reports them.
+
 Partial rollouts: with `weight_poll` set, the engine calls it between decode steps; when it
 reports that new weights were loaded, the KV cache (computed by the old weights) is rebuilt by
 one prefill of prompt + tokens so far, and generation continues under the new weights. Each
@@ -19,11 +23,14 @@ token's log-prob stays the one of the weights that sampled it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from relax_core.models.routing_replay import routing_of
 from relax_core.multimodal.protocol import MultimodalDecoder
 from relax_core.rollout.engine import Completion, SamplingParams
 from relax_core.rollout.sampling import sample_tokens
@@ -85,16 +92,26 @@ class TorchEngine:
         first_version = self.version
         last_version = torch.full((batch,), first_version, dtype=torch.long)
         prefill = True
+        routing = routing_of(self.model)
+        routes = None  # [B, columns, L, K]: the experts of each column of prompt + response
+        if routing is not None:
+            shape = (batch, width + params.max_new_tokens, routing.num_layers, routing.top_k)
+            routes = torch.zeros(shape, dtype=torch.int32)
         for t in range(params.max_new_tokens):
             extra = {"media": media} if prefill and media is not None else {}
-            logits = self.model(
-                input_ids=step_ids,
-                attention_mask=mask,
-                position_ids=step_pos,
-                past_key_values=cache,
-                use_cache=True,
-                **extra,
-            ).logits[:, -1]
+            with routing.capture() if routing is not None else nullcontext() as captured:
+                logits = self.model(
+                    input_ids=step_ids,
+                    attention_mask=mask,
+                    position_ids=step_pos,
+                    past_key_values=cache,
+                    use_cache=True,
+                    **extra,
+                ).logits[:, -1]
+            if captured is not None:  # this forward's tokens are the last columns of `mask`
+                routes[:, mask.shape[1] - step_ids.shape[1] : mask.shape[1]] = captured.tokens(
+                    batch
+                )
             prefill = False
             tok, lp = sample_tokens(
                 logits, params.temperature, params.top_p, params.greedy, self.generator
@@ -116,7 +133,10 @@ class TorchEngine:
                 step_pos = self._positions(step_ids, mask, media)
                 cache = DynamicCache()
                 prefill = True
-        return self._completions(tokens, logprobs, lengths, done, first_version, last_version)
+        out = self._completions(tokens, logprobs, lengths, done, first_version, last_version)
+        if routes is not None:
+            out = _with_routes(out, routes, [len(p) for p in prompts], width)
+        return out
 
     def _positions(self, ids: torch.Tensor, mask: torch.Tensor, media: list | None) -> torch.Tensor:
         """Prefill positions: real tokens counted from 0 (left pads get 0), or the policy's
@@ -169,3 +189,18 @@ class TorchEngine:
 
     def health(self) -> dict[str, object]:
         return {"ok": True, "policy_version": self.version, "paused": self._paused}
+
+
+def _with_routes(
+    completions: list[Completion], routes: torch.Tensor, prompt_lens: list[int], width: int
+) -> list[Completion]:
+    """Each completion with the experts of its prompt + response tokens but the last, one list
+    of num_layers * top_k ints per token (`routes` [B, columns, L, K], prompts left-padded to
+    `width`)."""
+    flat = routes.flatten(2)
+    return [
+        dataclasses.replace(
+            c, routed_experts=flat[row, width - p : width + len(c.response_ids) - 1].tolist()
+        )
+        for row, (c, p) in enumerate(zip(completions, prompt_lens, strict=True))
+    ]

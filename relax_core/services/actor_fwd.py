@@ -28,6 +28,10 @@ def serve(ctx) -> None:
     set_threads(cfg.services.rollout_threads)
     model, tokenizer = load_policy(ctx.checkpoint, cfg.model.dtype)
     model.eval().requires_grad_(False)
+    if cfg.train.routing_replay:  # the proximal policy routes as the trainer will
+        from relax_core.models.routing_replay import attach_routing_replay
+
+        attach_routing_replay(model)
     resolver = resolver_for(cfg, model)
     holder = _WeightHolder(model, int(read_state(ctx.checkpoint)["policy_version"]))
     receiver = make_receiver(cfg, ctx.queue, specs_of(model.named_parameters()), "actor_fwd", 0)
@@ -50,6 +54,7 @@ def serve(ctx) -> None:
             cfg.rollout.temperature,
             "old_logprobs",
             resolver,
+            cfg.train.routing_replay,
         )
 
     try:

@@ -221,7 +221,7 @@ class AsyncTrainer:
         from relax_core.services.media import resolver_for
         from relax_core.services.weights import make_sender
         from relax_core.sync.buckets import specs_of
-        from relax_core.train.torch_backend import build_backend
+        from relax_core.train.factory import has_training_state, make_backend
 
         self.ctx = ctx
         cfg = self.cfg = ctx.cfg
@@ -234,9 +234,13 @@ class AsyncTrainer:
                 f"not {ctx.run_id!r}"
             )
         self.model, self.tokenizer = load_policy(ctx.checkpoint, cfg.model.dtype)
-        self.backend = build_backend(self.model, cfg.train, cfg.rollout.temperature)
-        if os.path.isfile(os.path.join(ctx.checkpoint, "optimizer.pt")):
+        self.backend = make_backend(self.model, cfg)
+        if has_training_state(ctx.checkpoint, cfg.train.backend):
             self.backend.load(ctx.checkpoint)
+        if cfg.services.trainer_gpus > 1:  # the other ranks do what this one does (ranks.py)
+            from relax_core.train.ranks import Channel, LeaderBackend
+
+            self.backend = LeaderBackend(self.backend, Channel())
         self.cores = CoreShare.from_env(ctx.name) if s.trainer_threads == 0 else None
         self.threads_used: list[int] = []
         if self.cores is not None:
@@ -350,6 +354,7 @@ class AsyncTrainer:
             train_version=v,
             max_new_tokens=response_budget(cfg),
             resolver=self.media,
+            routing_replay=cfg.train.routing_replay,
         )
         t2 = time.perf_counter()
         if self.threads_used:
@@ -420,7 +425,11 @@ class AsyncTrainer:
             log.warning("weight sync group formed again (generation %d)", self.sender.generation)
 
     def close(self) -> None:
-        self.sender.destroy()
+        try:
+            self.sender.destroy()
+        finally:
+            if hasattr(self.backend, "stop"):
+                self.backend.stop()
 
 
 def serve(ctx: RoleContext) -> None:
@@ -437,3 +446,46 @@ def serve(ctx: RoleContext) -> None:
     finally:
         ctx.queue.stop()
     log.info("run finished at version %d; weight sync closed", trainer.state.policy_version)
+
+
+def follower_main(argv: list[str] | None = None) -> int:
+    """A trainer rank other than 0 (torchrun): the same policy and backend as rank 0, then the
+    operations rank 0 announces until the run stops. No heartbeat, queue or MLflow of its own."""
+    import argparse
+
+    from relax_core.models.policy import load_policy
+    from relax_core.services.media import resolver_for
+    from relax_core.services.role import load_run_config
+    from relax_core.train.factory import has_training_state, make_backend
+    from relax_core.train.ranks import Channel, follow
+
+    parser = argparse.ArgumentParser(prog="python -m relax_core.services.trainer (rank > 0)")
+    for flag in ("--cfg", "--run-id", "--checkpoint"):
+        parser.add_argument(flag, required=True)
+    parser.add_argument("--worker", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer-rank %(message)s")
+    cfg = load_run_config(args.cfg)
+    set_threads(cfg.services.trainer_threads or 1)
+    model, _ = load_policy(args.checkpoint, cfg.model.dtype)
+    backend = make_backend(model, cfg)
+    if has_training_state(args.checkpoint, cfg.train.backend):
+        backend.load(args.checkpoint)
+    resolver = resolver_for(cfg, model)
+
+    def train(backend, table, step: dict) -> None:
+        train_on_table(
+            backend,
+            table,
+            cfg.algorithm,
+            step["pad_token_id"],
+            step["token_budget"],
+            step["minibatches"],
+            train_version=step["train_version"],
+            max_new_tokens=step["max_new_tokens"],
+            resolver=resolver,
+            routing_replay=step["routing_replay"],
+        )
+
+    follow(backend, Channel(), train)
+    return 0

@@ -17,6 +17,7 @@ def table_micro_batches(
     extras: tuple[str, ...] = (),
     computed: dict[str, list[list[float]]] | None = None,
     resolver: Any = None,
+    routed_experts: bool = False,
 ) -> list[tuple[list[int], MicroBatch]]:
     """Split `table` into micro-batches of at most `token_budget` padded tokens.
 
@@ -25,6 +26,8 @@ def table_micro_batches(
     Returns (row indices, micro-batch) pairs so per-row results can be put back in table order.
     `resolver` (multimodal.inputs.MediaResolver, an omni policy) rebuilds each row's encoder
     inputs from its `media` references: decoded media never travel in the queue.
+    `routed_experts` (routing replay) carries each row's `routed_experts` column along; a row
+    without them, or with other than one entry per token but the last, is a ValueError naming it.
     """
     prompts = table.column("prompt_ids").to_pylist()
     responses = table.column("response_ids").to_pylist()
@@ -39,6 +42,7 @@ def table_micro_batches(
         extra_cols[name] = values
     media = table.column("media").to_pylist() if resolver is not None else None
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    experts = _routed_experts(table, lengths) if routed_experts else None
     out = []
     for rows in split_by_token_budget(lengths, token_budget):
         mb = make_micro_batch(
@@ -47,8 +51,28 @@ def table_micro_batches(
             [masks[i] for i in rows],
             pad_token_id,
             {name: [values[i] for i in rows] for name, values in extra_cols.items()},
+            None if experts is None else [experts[i] for i in rows],
         )
         if media is not None:
             mb = dataclasses.replace(mb, media=[resolver.inputs(media[i]) for i in rows])
         out.append((rows, mb))
     return out
+
+
+def _routed_experts(table: pa.Table, lengths: list[int]) -> list[list[list[int]]]:
+    """The `routed_experts` column, checked: every row has one entry per token of prompt +
+    response but the last (the engine's forwards saw no more)."""
+    values = table.column("routed_experts").to_pylist()
+    uids = table.column("uid").to_pylist()
+    for uid, experts, n in zip(uids, values, lengths, strict=True):
+        if experts is None:
+            raise ValueError(
+                f"row {uid!r} has no routed_experts, and train.routing_replay is on; the rollout "
+                "engine must return them (SGLang: --enable-return-routed-experts)"
+            )
+        if len(experts) != n - 1:
+            raise ValueError(
+                f"row {uid!r}: routed_experts for {len(experts)} tokens; expected {n - 1} "
+                "(prompt + response but the last token)"
+            )
+    return values

@@ -118,6 +118,8 @@ class ColocateController:
         rows, metrics = self._sample_step_batch()
         t1 = time.perf_counter()
         s.queue.put("rollout", rows_to_table(rows), {"policy_version": v})
+        if hasattr(s.engine, "sleep"):  # an SGLang server gives its GPU memory to the trainer
+            s.engine.sleep()
         table = self._consume("rollout")
         t2 = time.perf_counter()
         frozen = [(s.ref_model, "ref_logprobs"), (s.teacher_model, "teacher_logprobs")]
@@ -152,6 +154,7 @@ class ColocateController:
                 train_version=v,
                 max_new_tokens=response_budget(cfg),
                 resolver=s.media,
+                routing_replay=cfg.train.routing_replay,
             )
         )
         t5 = time.perf_counter()

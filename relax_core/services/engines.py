@@ -5,8 +5,12 @@
     control/drain/{name}   asks engine `name` to take no more work, commit what it admitted, exit 0
     control/sglang_sync    {"members", "version", "generation"}: the SGLang servers in the
                            trainer's SGLang weight group, written once they hold `version`
+    control/sglang_servers/{name}
+                           {"url"}: the server engine `name` started (or found in its pod),
+                           written by its rollout process under `rollout.engine: sglang`
 
-An engine with a `url` is an external SGLang server: its rollout process drives it over HTTP
+An engine with a `url` (registered by URL, or published by its own rollout process under
+`rollout.engine: sglang`) is an SGLang server: its rollout process drives it over HTTP
 (rollout/sglang_engine.py) and the trainer sends it weights through SGLang's own weight group
 (sync/sglang.py), not the broadcast group, so it is not a broadcast member.
 
@@ -32,6 +36,7 @@ from relax_core.services.weights import member_name
 POOL = "control/engines"
 DRAIN = "control/drain"
 SGLANG_SYNC = "control/sglang_sync"
+SERVERS = "control/sglang_servers"
 STATES = ("starting", "active", "draining", "removed")
 
 
@@ -66,6 +71,8 @@ def weight_members(cfg: RunConfig, queue: TransferQueue) -> list[str]:
     """Who receives the trainer's weights now: actor_fwd (when on), then every engine that is
     not draining or removed, in worker order (ranks follow this order)."""
     members = [member_name("actor_fwd", 0)] if cfg.services.actor_fwd else []
+    if cfg.rollout.engine == "sglang":
+        return members  # every engine is a server in the SGLang weight group
     engines = sorted(read_pool(cfg, queue), key=lambda e: e["worker"])
     return members + [
         e["name"] for e in engines if e["state"] in ("starting", "active") and not e.get("url")
@@ -76,11 +83,30 @@ def external_engines(cfg: RunConfig, queue: TransferQueue) -> list[tuple[str, st
     """(name, URL) of the SGLang servers that receive the trainer's weights now, in worker
     order: every external engine that is not draining or removed."""
     engines = sorted(read_pool(cfg, queue), key=lambda e: e["worker"])
-    return [
-        (e["name"], e["url"])
-        for e in engines
-        if e["state"] in ("starting", "active") and e.get("url")
-    ]
+    out = []
+    for e in engines:
+        if e["state"] not in ("starting", "active"):
+            continue
+        url = e.get("url") or (cfg.rollout.engine == "sglang" and published_server(queue, e))
+        if url:
+            out.append((e["name"], url))
+    return out
+
+
+def publish_server(queue: TransferQueue, name: str, url: str) -> None:
+    queue.store.write_replace(f"{SERVERS}/{name}", json.dumps({"url": url}).encode())
+
+
+def withdraw_server(queue: TransferQueue, name: str) -> None:
+    queue.store.delete(f"{SERVERS}/{name}")
+
+
+def published_server(queue: TransferQueue, engine: dict[str, Any]) -> str:
+    """The URL engine's rollout process published for its server; empty until it has one."""
+    try:
+        return str(json.loads(queue.store.read_bytes(f"{SERVERS}/{engine['name']}"))["url"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return ""
 
 
 def pool_entry(cfg: RunConfig, queue: TransferQueue, name: str) -> dict[str, Any] | None:

@@ -23,10 +23,16 @@ def add_ref_logprobs(
     temperature: float,
     column: str = "ref_logprobs",
     resolver: Any = None,
+    routed_experts: bool = False,
 ) -> pa.Table:
+    """`column` = log-probs of each row's response under `model`; with `routed_experts` its
+    routers replay the rows' experts (the actor_fwd role of a routing-replay run)."""
     out: list[list[float]] = [[] for _ in range(table.num_rows)]
     lengths = [len(r) for r in table.column("response_ids").to_pylist()]
-    for rows, mb in table_micro_batches(table, pad_token_id, token_budget, resolver=resolver):
+    batches = table_micro_batches(
+        table, pad_token_id, token_budget, resolver=resolver, routed_experts=routed_experts
+    )
+    for rows, mb in batches:
         logprobs, _ = response_logprobs(model, mb, temperature)
         for j, i in enumerate(rows):
             out[i] = logprobs[j, : lengths[i]].tolist()

@@ -123,7 +123,11 @@ def role_main(
         description=f"Run the {role} service of an async RL run.",
     )
     parser.add_argument("--cfg", required=True, help="run config: YAML or JSON file, or JSON")
-    parser.add_argument("--run", required=True, help="run id (the queue prefix)")
+    # --run-id: torchrun (a trainer over several GPUs) reads '--run' as an abbreviation of its
+    # own --run-path.
+    parser.add_argument(
+        "--run-id", "--run", dest="run", required=True, help="run id (the queue prefix)"
+    )
     parser.add_argument("--checkpoint", required=True, help="checkpoint the run continues from")
     parser.add_argument("--worker", type=int, default=0, help="index among workers of this role")
     args = parser.parse_args(argv)

@@ -9,6 +9,7 @@ multi-turn episodes instead (services/env_rollout.py), rows of the same schema.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -90,6 +91,7 @@ def rollout_groups(
                 ),
                 "turns": 1,
                 "media": item.row.get("media"),
+                "routed_experts": comp.routed_experts,
             }
         )
     metrics = rollout_metrics(rows)
@@ -156,7 +158,7 @@ def serve(ctx) -> None:
     from relax_core.queue import AdmissionLedger, rows_to_table
     from relax_core.rewards.registry import build_reward
     from relax_core.services.cores import CoreShare
-    from relax_core.services.engines import drain_requested, pool_entry
+    from relax_core.services.engines import drain_requested, pool_entry, withdraw_server
     from relax_core.services.env_rollout import env_runner
     from relax_core.services.media import prompt_source
     from relax_core.services.role import set_threads
@@ -166,7 +168,11 @@ def serve(ctx) -> None:
     set_threads(s.rollout_threads)
     entry = pool_entry(cfg, ctx.queue, ctx.name) if ctx.worker >= s.rollout_workers else None
     url = (entry or {}).get("url")
+    server = None
     if url:
+        engine, weights, tokenizer = _served_engine(ctx, url)
+    elif r.engine == "sglang":
+        url, server = _own_server(ctx, read_state(ctx.checkpoint))
         engine, weights, tokenizer = _served_engine(ctx, url)
     else:
         engine, weights, tokenizer = _local_engine(ctx, read_state(ctx.checkpoint))
@@ -270,6 +276,9 @@ def serve(ctx) -> None:
             )
     finally:
         weights.close(drained, s.start_timeout_s)
+        if server is not None:
+            withdraw_server(ctx.queue, ctx.name)
+            server.stop()
     if drained:
         log.info("%s drained: every group it admitted is committed", ctx.name)
         ctx.status["state"] = "drained"
@@ -289,6 +298,10 @@ def _local_engine(ctx, state: dict[str, Any]):
 
     cfg = ctx.cfg
     model, tokenizer = load_policy(ctx.checkpoint, cfg.model.dtype)
+    if cfg.train.routing_replay:  # the engine records the experts the trainer replays
+        from relax_core.models.routing_replay import attach_routing_replay
+
+        attach_routing_replay(model)
     version = int(state["policy_version"])
     # Distinct sampling streams per worker and per (re)start version.
     engine = TorchEngine(
@@ -315,10 +328,38 @@ def _served_engine(ctx, url: str):
     tokenizer = AutoTokenizer.from_pretrained(ctx.checkpoint)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    engine = SGLangEngine(SGLangClient(url, timeout_s=ctx.cfg.services.start_timeout_s))
+    engine = SGLangEngine(
+        SGLangClient(url, timeout_s=ctx.cfg.services.start_timeout_s),
+        ctx.cfg.sglang.pause_mode,
+        routed_experts=ctx.cfg.train.routing_replay,
+    )
     weights = ServedWeights(engine, lambda: sglang_synced(ctx.queue, ctx.name), ctx.status)
     log.info("%s drives the SGLang server at %s", ctx.name, url)
     return engine, weights, tokenizer
+
+
+def _own_server(ctx, state: dict[str, Any]):
+    """rollout.engine 'sglang': this worker's own SGLang server (started here, or its pod's
+    sidecar), published under control/sglang_servers/ so the trainer adds it to its SGLang
+    weight group at its next update. Returns (URL, the server to stop or None)."""
+    from relax_core.rollout.sglang_server import attach_or_start
+    from relax_core.services.engines import publish_server
+
+    cfg = ctx.cfg
+    ctx.status["state"] = "starting its SGLang server"
+    ctx.beat()
+    log_path = os.path.join(cfg.checkpoint.dir, ctx.run_id, "logs", f"sglang-{ctx.name}.log")
+    client, server = attach_or_start(
+        cfg.sglang,
+        ctx.worker,
+        ctx.checkpoint,
+        int(state["policy_version"]),
+        cfg.services.rollout_gpus,
+        log_path,
+        routed_experts=bool(getattr(cfg.train, "routing_replay", False)),
+    )
+    publish_server(ctx.queue, ctx.name, client.url)
+    return client.url, server
 
 
 class _Throttled:

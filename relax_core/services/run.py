@@ -153,39 +153,48 @@ def start_run(cfg: RunConfig, policy_dir: str) -> str:
     run_id = f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     state = RunState(run_id=run_id, policy_dir=policy_dir, started_at=time.time())
     session = RunSession(cfg, policy_dir, state)
-    monitor = monitor_for(cfg, state)
-    state.tracking_run_id = monitor.start(dataclasses.asdict(cfg), run_tags(state, cfg.mode))
-    state.eval_before = ColocateController(session).evaluate()
-    monitor.log_metrics(state.eval_before, step=0)
-    monitor.flush()
-    return os.path.abspath(session.save_checkpoint())
+    try:
+        monitor = monitor_for(cfg, state)
+        state.tracking_run_id = monitor.start(dataclasses.asdict(cfg), run_tags(state, cfg.mode))
+        state.eval_before = ColocateController(session).evaluate()
+        monitor.log_metrics(state.eval_before, step=0)
+        monitor.flush()
+        return os.path.abspath(session.save_checkpoint())
+    finally:
+        session.close()
 
 
 def run_steps(cfg: RunConfig, checkpoint: str, max_steps: int) -> str:
     """Train from `checkpoint` for up to `max_steps` steps; returns the newest checkpoint."""
     session = RunSession.from_checkpoint(cfg, checkpoint)
-    controller = ColocateController(session)
-    controller.skip_orphans()
-    state, total = session.state, cfg.train.total_steps
-    target = min(total, state.policy_version + max_steps)
-    if state.policy_version >= target:
-        return checkpoint
-    return train_until(
-        cfg,
-        state,
-        target,
-        controller.step,
-        controller.evaluate,
-        session.save_checkpoint,
-        checkpoint,
-    )
+    try:
+        controller = ColocateController(session)
+        controller.skip_orphans()
+        state, total = session.state, cfg.train.total_steps
+        target = min(total, state.policy_version + max_steps)
+        if state.policy_version >= target:
+            return checkpoint
+        return train_until(
+            cfg,
+            state,
+            target,
+            controller.step,
+            controller.evaluate,
+            session.save_checkpoint,
+            checkpoint,
+        )
+    finally:
+        session.close()
 
 
 def finish_run(cfg: RunConfig, checkpoint: str) -> dict[str, Any]:
     """Final held-out eval, close the MLflow run, print and return the summary."""
     session = RunSession.from_checkpoint(cfg, checkpoint)
     state = session.state
-    after = ColocateController(session).evaluate()
+    try:
+        after = ColocateController(session).evaluate()
+    finally:
+        session.close()
     monitor = monitor_for(cfg, state)
     monitor.start(dataclasses.asdict(cfg), run_tags(state, cfg.mode))
     monitor.log_metrics(after, step=state.policy_version)

@@ -19,6 +19,7 @@ import torch
 from relax_core.config import RunConfig
 from relax_core.data.cursor import DatasetCursor
 from relax_core.models.policy import load_policy, load_teacher
+from relax_core.models.routing_replay import attach_routing_replay
 from relax_core.queue import STAGES, open_queue
 from relax_core.rewards.registry import build_reward
 from relax_core.rollout.torch_engine import TorchEngine
@@ -26,7 +27,7 @@ from relax_core.services.env_rollout import env_runner
 from relax_core.services.media import prompt_source, resolver_for
 from relax_core.sync.inprocess import InProcessSync
 from relax_core.train import checkpoint as ckpt
-from relax_core.train.torch_backend import build_backend
+from relax_core.train.factory import has_training_state, make_backend
 
 
 @dataclass
@@ -62,12 +63,12 @@ class RunSession:
             torch.set_num_threads(cfg.train.torch_threads)
         self.model, self.tokenizer = load_policy(model_dir, cfg.model.dtype)
         self.pad_token_id = self.tokenizer.pad_token_id
-        engine_model = copy.deepcopy(self.model)
-        self.engine = TorchEngine(
-            engine_model, self.tokenizer.eos_token_id, self.pad_token_id, seed=cfg.seed
-        )
-        self.engine.version = state.policy_version
-        self.backend = build_backend(self.model, cfg.train, cfg.rollout.temperature)
+        self.run_dir = os.path.join(cfg.checkpoint.dir, state.run_id)
+        self.engine = self._engine(cfg, model_dir, state.policy_version)
+        # Async mode trains in its own trainer service: this session evaluates and writes the
+        # first checkpoint, whatever backend that service uses.
+        self.backend_name = "torch" if cfg.mode == "async" else cfg.train.backend
+        self.backend = make_backend(self.model, cfg, self.backend_name)
         self.sync = InProcessSync([self.engine])
         self.ref_model = None
         if cfg.algorithm.kl_coef > 0:
@@ -93,14 +94,13 @@ class RunSession:
         self.eval_prompts = prompt_source(cfg, "eval", self.model, self.tokenizer, self.queue)
         self.env = env_runner(cfg, self.model, self.tokenizer)
         """Plays multi-turn episodes (env.name set); None for a single-turn run."""
-        self.run_dir = os.path.join(cfg.checkpoint.dir, state.run_id)
 
     # ------------------------------------------------------------------ checkpoints
     @classmethod
     def from_checkpoint(cls, cfg: RunConfig, path: str) -> RunSession:
         state = RunState.from_dict(ckpt.read_state(path))
         session = cls(cfg, path, state)
-        if os.path.isfile(os.path.join(path, "optimizer.pt")):
+        if has_training_state(path, session.backend_name):
             session.backend.load(path)
         if session.ref_model is not None and state.policy_dir:
             # The KL anchor is the starting policy, not the checkpoint being resumed.
@@ -109,10 +109,36 @@ class RunSession:
         session._restore_rng()
         return session
 
+    def _engine(self, cfg: RunConfig, model_dir: str, version: int):
+        if cfg.rollout.engine == "sglang":  # the server takes turns with the trainer
+            from relax_core.rollout.sglang_colocate import start_colocated
+
+            return start_colocated(cfg, model_dir, version, self.run_dir)
+        engine_model = copy.deepcopy(self.model)
+        if cfg.train.routing_replay:  # the engine records the experts the trainer replays
+            attach_routing_replay(engine_model)
+        engine = TorchEngine(
+            engine_model, self.tokenizer.eos_token_id, self.pad_token_id, seed=cfg.seed
+        )
+        engine.version = version
+        return engine
+
+    def _engine_rng(self) -> dict[str, str]:
+        """The torch engine's sampling RNG (an SGLang server keeps its own)."""
+        if not hasattr(self.engine, "generator"):
+            return {}
+        return {"engine": ckpt.encode_rng(self.engine.generator.get_state())}
+
+    def close(self) -> None:
+        """Stop what the session started (an SGLang server)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
     def save_checkpoint(self) -> str:
         self.state.rng = {
             "torch": ckpt.encode_rng(torch.get_rng_state()),
-            "engine": ckpt.encode_rng(self.engine.generator.get_state()),
+            **self._engine_rng(),
             "python": random.getstate()[1][:625],
         }
 
@@ -122,7 +148,8 @@ class RunSession:
         rng = self.state.rng
         if "torch" in rng:
             torch.set_rng_state(ckpt.decode_rng(rng["torch"]))
-            self.engine.generator.set_state(ckpt.decode_rng(rng["engine"]))
+            if "engine" in rng and hasattr(self.engine, "generator"):
+                self.engine.generator.set_state(ckpt.decode_rng(rng["engine"]))
             random.setstate((3, tuple(rng["python"]), None))
 
     @property

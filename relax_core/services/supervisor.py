@@ -67,11 +67,33 @@ class RoleProcess:
     cpu_s: float = 0.0
     started: float = 0.0
     wall_s: float = 0.0
+    group: bool = False
+    """It leads a process group of its own (torchrun and its trainer ranks): signals go to the
+    whole group, so no rank outlives a killed trainer."""
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
         return f"{self.role}-{self.worker}"
+
+
+def _signal(rp: RoleProcess, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        if rp.group:
+            os.killpg(rp.pid, sig)
+        else:
+            os.kill(rp.pid, sig)
+
+
+def role_launcher(cfg: RunConfig, role: str) -> list[str]:
+    """The command that starts a role: its module, or for a trainer over several GPUs torchrun
+    with one process per GPU (train/ranks.py)."""
+    module = ["-m", f"relax_core.services.{role}"]
+    gpus = cfg.services.trainer_gpus
+    if role != "trainer" or gpus == 1:
+        return [sys.executable, *module]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus)]
+    return [sys.executable, *torchrun, *module]
 
 
 def roles_of(cfg: RunConfig) -> list[tuple[str, int]]:
@@ -148,13 +170,16 @@ class Supervisor:
         incarnation = sum(1 for p in self.procs if p.name == name)
         log_path = os.path.join(self.run_dir, "logs", f"{name}.log")
         rp = RoleProcess(role, worker, log_path, incarnation, started=time.perf_counter())
-        cmd = [sys.executable, "-m", f"relax_core.services.{role}", "--cfg", self._cfg_path]
-        cmd += ["--run", self.run_id, "--checkpoint", self._newest_checkpoint()]
+        cmd = [*role_launcher(self.cfg, role), "--cfg", self._cfg_path]
+        cmd += ["--run-id", self.run_id, "--checkpoint", self._newest_checkpoint()]
         cmd += ["--worker", str(worker)]
+        rp.group = role == "trainer" and self.cfg.services.trainer_gpus > 1
         with open(log_path, "ab") as out:
             # The trainer's progress bar and log go to this console as well as its file.
             stderr = None if role == "trainer" else out
-            rp.proc = subprocess.Popen(cmd, stdout=out, stderr=stderr, env=self._env)
+            rp.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=stderr, env=self._env, start_new_session=rp.group
+            )
         rp.pid = rp.proc.pid
         self.procs.append(rp)
         self.live[name] = rp
@@ -175,8 +200,7 @@ class Supervisor:
         return True
 
     def _kill(self, rp: RoleProcess) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(rp.pid, signal.SIGKILL)
+        _signal(rp, signal.SIGKILL)
         self._reap(rp, block=True)
 
     def _terminate(self, grace_s: float) -> None:
@@ -184,8 +208,7 @@ class Supervisor:
         live = list(self.live.values())
         for rp in live:
             if not self._reap(rp):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(rp.pid, signal.SIGTERM)
+                _signal(rp, signal.SIGTERM)
         for rp in live:
             while not self._reap(rp):
                 if time.monotonic() > deadline:

@@ -102,11 +102,26 @@ def train_on_table(
     train_version: int = 0,
     max_new_tokens: int = 1,
     resolver: Any = None,
+    routing_replay: bool = False,
 ) -> dict[str, float]:
     """Train on one step batch: `minibatches` optimizer updates; returns averaged metrics.
 
     `train_version`: the policy version being trained (rows' staleness is measured from it).
+    `routing_replay`: the forwards route each token to the experts its row recorded.
     """
+    share = getattr(backend, "share_step", None)
+    if share is not None:  # a trainer over several GPUs: every rank trains on this batch
+        share(
+            table,
+            {
+                "pad_token_id": pad_token_id,
+                "token_budget": token_budget,
+                "minibatches": minibatches,
+                "train_version": train_version,
+                "max_new_tokens": max_new_tokens,
+                "routing_replay": routing_replay,
+            },
+        )
     settings = loss_settings(algo, max_new_tokens)
     extras = ["advantages", "rollout_logprobs"]
     if algo.kl_coef > 0:
@@ -124,7 +139,7 @@ def train_on_table(
         mbs = [
             mb
             for _, mb in table_micro_batches(
-                part, pad_token_id, token_budget, tuple(extras), computed, resolver
+                part, pad_token_id, token_budget, tuple(extras), computed, resolver, routing_replay
             )
         ]
         num_tokens = float(sum(mb.loss_mask.sum() for mb in mbs))
@@ -143,10 +158,18 @@ def train_on_table(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m relax_core.services.trainer`: the async trainer service (async_trainer.py)."""
+    """`python -m relax_core.services.trainer`: the async trainer service (async_trainer.py).
+    Under torchrun (a trainer over several GPUs) rank 0 is the service and the other ranks
+    follow it (train/ranks.py)."""
+    import os
+
     from relax_core.services.async_trainer import serve
     from relax_core.services.role import role_main
 
+    if int(os.environ.get("RANK", "0")) > 0:
+        from relax_core.services.async_trainer import follower_main
+
+        return follower_main(argv)
     return role_main("trainer", serve, argv)
 
 

@@ -4,18 +4,23 @@ The trainer is rank 0 of the broadcast group; its members are named `{role}-{wor
 (when on) first, then the rollout engines of the pool that are not draining, in worker order
 (`engines.weight_members`, read again before every update, so the group follows the elastic
 pool). With the object-store transport there are no members: every receiver polls `weights/`.
-External engines (SGLang servers registered by URL) get the same updates through SGLang's own
-weight group (`TrainerSync`, sync/sglang.py).
+SGLang servers (registered by URL, or each rollout worker's own under `rollout.engine: sglang`)
+get the same updates through SGLang's own weight group (`TrainerSync`, sync/sglang.py); a run
+whose engines are all SGLang servers has no broadcast group unless actor_fwd needs one.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from relax_core.config import RunConfig
 from relax_core.queue import TransferQueue
 
 GROUP = "weights"
+SGLANG_GROUP = "sglang"
+"""control/rendezvous/sglang: the SGLang weight group as last formed (master address and port,
+each server's rank offset and TP size)."""
 
 
 RECEIVERS = ("rollout", "actor_fwd")
@@ -53,16 +58,18 @@ def make_sender(cfg: RunConfig, queue: TransferQueue, specs: list[Any]):
     from relax_core.services.engines import external_engines, weight_members
     from relax_core.sync.sglang import SGLangSender
 
-    broadcast = BroadcastSender(
-        queue.store,
-        GROUP,
-        lambda: weight_members(cfg, queue),
-        specs,
-        bucket_bytes=s.bucket_mb << 20,
-        backend=_backend(cfg),
-        host=host,
-        timeout_s=s.start_timeout_s,
-    )
+    broadcast = None
+    if cfg.rollout.engine != "sglang" or s.actor_fwd:
+        broadcast = BroadcastSender(
+            queue.store,
+            GROUP,
+            lambda: weight_members(cfg, queue),
+            specs,
+            bucket_bytes=s.bucket_mb << 20,
+            backend=_backend(cfg),
+            host=host,
+            timeout_s=s.start_timeout_s,
+        )
     sglang = SGLangSender(
         lambda: external_engines(cfg, queue),
         specs,
@@ -70,6 +77,7 @@ def make_sender(cfg: RunConfig, queue: TransferQueue, specs: list[Any]):
         backend=_backend(cfg),
         host=host,
         timeout_s=s.start_timeout_s,
+        pause_mode=cfg.sglang.pause_mode,
     )
     return TrainerSync(broadcast, sglang, queue)
 
@@ -80,18 +88,22 @@ class TrainerSync:
     After an update that changed the SGLang group, `control/sglang_sync` names its members, so
     a new external engine's rollout process knows its server holds the trainer's weights."""
 
-    def __init__(self, broadcast: Any, sglang: Any, queue: TransferQueue) -> None:
+    def __init__(self, broadcast: Any | None, sglang: Any, queue: TransferQueue) -> None:
         self.broadcast, self.sglang, self.queue = broadcast, sglang, queue
+        """`broadcast` is None when nothing but SGLang servers hold the policy
+        (rollout.engine 'sglang' without actor_fwd)."""
 
     @property
     def generation(self) -> int:
-        return self.broadcast.generation
+        return (self.broadcast or self.sglang).generation
 
     def init(self) -> None:
-        self.broadcast.init()
+        if self.broadcast is not None:
+            self.broadcast.init()
 
     def needs_reform(self) -> bool:
-        return self.broadcast.needs_reform() or self.sglang.needs_reform()
+        broadcast = self.broadcast is not None and self.broadcast.needs_reform()
+        return broadcast or self.sglang.needs_reform()
 
     def push_or_reform(self, named_tensors: Any, version: int) -> bool:
         from relax_core.services.engines import write_sglang_sync
@@ -102,12 +114,20 @@ class TrainerSync:
         # version opens to the broadcast members.
         if self.sglang.push(named, version):
             members = [name for name, _ in self.sglang.members]
+            if members:  # who is at which rank, for `relax queue` and whoever debugs a hang
+                record = json.dumps(self.sglang.rendezvous, indent=1).encode()
+                self.queue.store.write_replace(f"control/rendezvous/{SGLANG_GROUP}", record)
             write_sglang_sync(self.queue, members, version, self.sglang.generation)
+            if self.broadcast is None:
+                return self.sglang.generation > 0
+        if self.broadcast is None:
+            return False
         return self.broadcast.push_or_reform(named, version)
 
     def destroy(self) -> None:
         try:
-            self.broadcast.destroy()
+            if self.broadcast is not None:
+                self.broadcast.destroy()
         finally:
             self.sglang.destroy()
 

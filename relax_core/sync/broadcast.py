@@ -26,8 +26,9 @@ Parts:
 
 Backend "gloo" moves CPU tensors, "nccl" CUDA tensors of the current device; the code is the same
 (with NCCL, headers and the layout check go over a second, gloo group).
-The group is torch's default process group, so a process holds one transport at a time. Gloo picks
-its network interface from the hostname (set GLOO_SOCKET_IFNAME to choose one).
+The groups are groups of their own on the generation's TCP store (named by its nonce), never
+torch's default group: a trainer over several GPUs holds that one for itself. Gloo picks its
+network interface from the hostname (set GLOO_SOCKET_IFNAME to choose one).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from relax_core.sync.buckets import (
     layout_to_json,
     plan_buckets,
 )
+from relax_core.sync.process_group import group_on_store, leave_weight_group
 
 UPDATE, END, STOP = 1, 2, 3
 FORMING, FORMED = "forming", "formed"
@@ -107,15 +109,32 @@ def _device_for(backend: str) -> torch.device:
     raise ValueError(f"weight sync backend must be 'gloo' (CPU) or 'nccl' (CUDA), got {backend!r}")
 
 
-def _control_group(backend: str, timeout: timedelta) -> tuple[Any, torch.device]:
-    """The group and device of headers and the layout check (None: the default group).
+def _sync_groups(
+    backend: str,
+    tcp: Any,
+    rank: int,
+    world_size: int,
+    nonce: str,
+    timeout: timedelta,
+    control_timeout: timedelta,
+) -> tuple[Any, Any, torch.device]:
+    """(data group, control group, control device) of one generation, on its own TCP store and
+    named by its nonce, never the default group (a trainer over several GPUs holds that one).
 
-    With NCCL they travel over a gloo group: a receiver waiting for the next update then blocks
-    a CPU thread instead of keeping an NCCL kernel spinning on the GPU beside the engine's.
+    With NCCL, headers and the layout check travel over a gloo group of their own: a receiver
+    waiting for the next update then blocks a CPU thread instead of keeping an NCCL kernel
+    spinning on the GPU beside the engine's. With gloo one group carries both.
     """
-    if backend == "nccl":
-        return dist.new_group(backend="gloo", timeout=timeout), torch.device("cpu")
-    return None, _device_for(backend)
+    data = group_on_store(backend, tcp, rank, world_size, f"relax-{nonce}", timeout)
+    if backend != "nccl":
+        return data, data, _device_for(backend)
+    control = group_on_store("gloo", tcp, rank, world_size, f"relax-{nonce}-ctrl", control_timeout)
+    return data, control, torch.device("cpu")
+
+
+def _leave(*groups: Any) -> None:
+    for group in dict.fromkeys(g for g in groups if g is not None):
+        leave_weight_group(group)
 
 
 def _layout_check(
@@ -171,6 +190,7 @@ class BroadcastSender:
         self._state = "new"  # new -> idle <-> paused -> sent -> idle ... -> destroyed
         self._version: int | None = None
         self._buffers: list[torch.Tensor | None] = [None, None]
+        self._pg: Any = None
         self._ctrl: Any = None
         self._ctrl_device = self.device
         self.generation = 0
@@ -237,8 +257,8 @@ class BroadcastSender:
         }
         self.store.write_replace(self.path, json.dumps(record).encode())
         try:
-            dist.init_process_group(
-                self.backend, store=tcp, rank=0, world_size=self.world_size, timeout=timeout
+            self._pg, self._ctrl, self._ctrl_device = _sync_groups(
+                self.backend, tcp, 0, self.world_size, self._nonce, timeout, timeout
             )
         except Exception as err:
             self._forget_record()
@@ -247,13 +267,12 @@ class BroadcastSender:
                 f"{', '.join(self.members)} joined within {self.timeout_s:.0f}s (rendezvous at "
                 f"{self.store.url(self.path)}; {type(err).__name__}: {err})"
             ) from err
-        self._ctrl, self._ctrl_device = _control_group(self.backend, timeout)
         rows = _layout_check(
             self.fingerprint, len(self.specs), self.bucket_bytes, self._ctrl, self._ctrl_device
         )
         bad = [rank for rank, row in enumerate(rows) if row != rows[0]]
         if bad:
-            dist.destroy_process_group()
+            self._leave_groups()
             self._forget_record()
             self._state = "destroyed"
             names = [self.members[rank - 1] for rank in bad]
@@ -306,7 +325,7 @@ class BroadcastSender:
         peer) and form the next generation; blocks until every rank joined it again (surviving
         receivers rejoin on their own, a restarted one joins as it starts)."""
         with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+            self._leave_groups()
         self._buffers = [None, None]
         gc.collect()  # drop the last references to the old group's connections now
         self._state = "new"
@@ -324,7 +343,7 @@ class BroadcastSender:
             if self._state == "idle":
                 self._header(STOP, -1)
         finally:
-            dist.destroy_process_group()
+            self._leave_groups()
             self._forget_record()
             self._buffers = [None, None]
             self._state = "destroyed"
@@ -393,7 +412,7 @@ class BroadcastSender:
             flat = self._flat(bucket, tensors, i % 2)
             if in_flight is not None:
                 in_flight.wait()
-            in_flight = dist.broadcast(flat, src=0, async_op=True)
+            in_flight = dist.broadcast(flat, src=0, async_op=True, group=self._pg)
         if in_flight is not None:
             in_flight.wait()
 
@@ -410,6 +429,10 @@ class BroadcastSender:
         flat = flat_view(buffer, bucket)
         flatten_into(bucket, tensors, flat)
         return flat
+
+    def _leave_groups(self) -> None:
+        _leave(self._ctrl, self._pg)
+        self._pg = self._ctrl = None
 
     def _forget_record(self) -> None:
         # Remove the rendezvous record only while it is still ours (a restarted trainer may

@@ -29,10 +29,11 @@ from relax_core.sync.broadcast import (
     STOP,
     UPDATE,
     ProtocolError,
-    _control_group,
     _describe_row,
     _device_for,
     _layout_check,
+    _leave,
+    _sync_groups,
     check_member,
     rendezvous_path,
     waiting_path,
@@ -88,6 +89,7 @@ class BroadcastReceiver:
         self._pool = StagingPool()
         self._thread: threading.Thread | None = None
         self._joined = False
+        self._pg: Any = None
         self._ctrl: Any = None
         self._ctrl_device = self.device
         self._nonce = ""
@@ -109,14 +111,16 @@ class BroadcastReceiver:
         tcp.set_timeout(timedelta(seconds=max(1.0, deadline - time.monotonic())))
         idle = timedelta(seconds=self.idle_timeout_s)
         try:
-            dist.init_process_group(
+            self._pg, self._ctrl, self._ctrl_device = _sync_groups(
                 backend,
-                store=tcp,
-                rank=self.rank,
-                world_size=int(record["world_size"]),
-                # The default group carries the wait for the next update unless headers have
-                # a group of their own (NCCL).
-                timeout=idle if backend == "gloo" else timedelta(seconds=self.timeout_s),
+                tcp,
+                self.rank,
+                int(record["world_size"]),
+                record["nonce"],
+                # The data group carries the wait for the next update unless headers have a
+                # group of their own (NCCL).
+                idle if backend == "gloo" else timedelta(seconds=self.timeout_s),
+                idle,
             )
         except Exception as err:
             raise TimeoutError(
@@ -128,12 +132,11 @@ class BroadcastReceiver:
         self._nonce = record["nonce"]
         with contextlib.suppress(FileNotFoundError):
             self.store.delete(waiting_path(self.group, self.member))
-        self._ctrl, self._ctrl_device = _control_group(backend, idle)
         rows = _layout_check(
             self.fingerprint, len(self.specs), self.bucket_bytes, self._ctrl, self._ctrl_device
         )
         if any(row != rows[0] for row in rows):
-            dist.destroy_process_group()
+            self._leave_groups()
             self._joined = False
             raise LayoutMismatch(self._mismatch_message(record, rows))
 
@@ -158,7 +161,7 @@ class BroadcastReceiver:
             if self._thread.is_alive():
                 return
         if self._joined:
-            dist.destroy_process_group()
+            self._leave_groups()
             self._joined = False
 
     # ------------------------------------------------------------------ engine side
@@ -298,8 +301,12 @@ class BroadcastReceiver:
 
     def _leave(self) -> None:
         with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+            self._leave_groups()
         self._joined = False
+
+    def _leave_groups(self) -> None:
+        _leave(self._ctrl, self._pg)
+        self._pg = self._ctrl = None
 
     def _recv_header(self) -> tuple[int, int, int]:
         header = torch.empty(3, dtype=torch.int64, device=self._ctrl_device)
@@ -319,11 +326,11 @@ class BroadcastReceiver:
         # Staging is fresh or given back (StagingPool): what take() handed out and was not
         # released is never written again.
         flats = self._pool.acquire(self._new_staging)
-        works = [dist.broadcast(flat, src=0, async_op=True) for flat in flats[:2]]
+        works = [dist.broadcast(flat, src=0, async_op=True, group=self._pg) for flat in flats[:2]]
         for i in range(len(flats)):
             works[i].wait()
             if i + 2 < len(flats):
-                works.append(dist.broadcast(flats[i + 2], src=0, async_op=True))
+                works.append(dist.broadcast(flats[i + 2], src=0, async_op=True, group=self._pg))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         by_name = dict(

@@ -5,8 +5,8 @@ SGLang's documented update path, driven from the trainer (rank 0):
    tp sizes before it, and call `/init_weights_update_group {master_address, master_port,
    rank_offset, world_size, group_name, backend}` on every server at once while this process
    joins as rank 0 (process_group.py); the calls return once the group is formed.
-2. update version v: `/pause_generation {"mode": "retract"}` (running requests go back to the
-   waiting queue; their KV cache, computed by the old weights, is recomputed by the new ones),
+2. update version v: `/pause_generation {"mode": "retract"}` (sglang.pause_mode; retract: running
+   requests go back to the waiting queue and their KV cache is recomputed by the new weights),
    then per bucket `/update_weights_from_distributed {names, dtypes, shapes, group_name,
    load_format: "flattened_bucket"}` on every server while rank 0 broadcasts the bucket as one
    flat uint8 tensor (tensors back to back, SGLang's FlattenedTensorBucket layout); the last
@@ -58,6 +58,7 @@ class SGLangSender:
         host: str = "127.0.0.1",
         group_name: str = "relax-weights",
         timeout_s: float = 600.0,
+        pause_mode: str = "retract",
     ) -> None:
         self._engines = engines if callable(engines) else (lambda fixed=tuple(engines): fixed)
         self.specs = list(specs)
@@ -66,6 +67,8 @@ class SGLangSender:
         self.host = host
         self.base_name = group_name
         self.timeout_s = timeout_s
+        self.pause_mode = pause_mode
+        """How servers pause for an update (sglang.pause_mode): 'retract', 'in_place', 'abort'."""
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if backend == "nccl"
@@ -78,6 +81,7 @@ class SGLangSender:
         self.group_name = ""
         self.clients: dict[str, SGLangClient] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self.rendezvous: dict[str, Any] = {}
         self._buffer: torch.Tensor | None = None
 
     def wanted(self) -> list[tuple[str, str]]:
@@ -107,7 +111,7 @@ class SGLangSender:
             self._form(wanted)
         if not self.members:
             return reformed
-        self._each("/pause_generation", {"mode": "retract"})
+        self._each("/pause_generation", {"mode": self.pause_mode})
         try:
             with torch.no_grad():
                 for i, bucket in enumerate(self.buckets):
@@ -196,6 +200,16 @@ class SGLangSender:
         for n, future in pending:
             self._result(n, future)
         self.group, self.group_name, self.members = group, name, list(wanted)
+        self.rendezvous = {
+            "group_name": name,
+            "master_address": self.host,
+            "master_port": port,
+            "world_size": world,
+            "backend": self.backend,
+            "rank_offsets": {n: off for (n, _), off in zip(wanted, offsets, strict=True)},
+            "tp_sizes": {n: size for (n, _), size in zip(wanted, sizes, strict=True)},
+        }
+        """How the group formed (for control/rendezvous/; the servers got it over HTTP)."""
         log.info("SGLang weight group %s formed: %s (world size %d)", name, wanted, world)
 
     def _leave(self) -> None:

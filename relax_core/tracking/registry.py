@@ -27,7 +27,8 @@ from relax_core.config_checks import MODEL_URI
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 POLICY_ARTIFACT = "policy"
-_SKIP_FILES = {"optimizer.pt"}
+_SKIP_FILES = {"optimizer.pt", "optim", "megatron"}
+"""Optimizer state (train/factory.py TRAINING_STATE) stays out of a registered policy."""
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -16,6 +17,9 @@ class MicroBatch:
     index into S of the hidden state that predicts each response token (prompt_len - 1 + t).
     `extras` holds further [B, R] float tensors (advantages, old/ref/rollout log-probs); `media`
     each row's encoded media inputs for an omni policy (models/omni.py), None for text.
+    `routed_experts` [B, S, num_layers * top_k] long: the experts the rollout engine routed each
+    input token to (routing replay, models/routing_replay.py); positions it has none for (a
+    row's last token, padding) hold expert 0, which no response log-prob depends on.
     """
 
     input_ids: torch.Tensor
@@ -25,10 +29,24 @@ class MicroBatch:
     loss_mask: torch.Tensor
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     media: list | None = None
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """The same micro-batch with its tensors on `device` (itself when they are there).
+        Media inputs stay where their encoder's resolver put them."""
+        if self.input_ids.device == torch.device(device):
+            return self
+        moved = {
+            f.name: value.to(device, non_blocking=True)
+            for f in dataclasses.fields(self)
+            if isinstance(value := getattr(self, f.name), torch.Tensor)
+        }
+        extras = {k: v.to(device, non_blocking=True) for k, v in self.extras.items()}
+        return dataclasses.replace(self, **moved, extras=extras)
 
 
 def pad_2d(rows: Sequence[Sequence[float]], width: int, value: float, dtype: torch.dtype):
@@ -46,6 +64,7 @@ def make_micro_batch(
     loss_mask: Sequence[Sequence[int]],
     pad_token_id: int,
     extras: dict[str, Sequence[Sequence[float]]] | None = None,
+    routed_experts: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> MicroBatch:
     if not prompt_ids:
         raise ValueError("cannot build a micro-batch from zero rows")
@@ -59,7 +78,27 @@ def make_micro_batch(
     resp = pad_2d(response_ids, r_width, pad_token_id, torch.long)
     mask = pad_2d(loss_mask, r_width, 0, torch.float32)
     ext = {k: pad_2d(v, r_width, 0.0, torch.float32) for k, v in (extras or {}).items()}
-    return MicroBatch(input_ids, attention, resp, positions, mask, ext)
+    experts = None if routed_experts is None else _experts_tensor(routed_experts, seqs, width)
+    return MicroBatch(input_ids, attention, resp, positions, mask, ext, routed_experts=experts)
+
+
+def _experts_tensor(
+    rows: Sequence[Sequence[Sequence[int]]], seqs: list[list[int]], width: int
+) -> torch.Tensor:
+    """[B, width, num_layers * top_k] long, each row's experts from its first token on."""
+    per_token = {len(tokens[0]) for tokens in rows if len(tokens)}
+    if len(per_token) > 1:
+        raise ValueError(f"routed_experts: rows differ in experts per token ({sorted(per_token)})")
+    out = torch.zeros((len(rows), width, per_token.pop() if per_token else 0), dtype=torch.long)
+    for i, (tokens, seq) in enumerate(zip(rows, seqs, strict=True)):
+        if len(tokens) > len(seq):
+            raise ValueError(
+                f"routed_experts: row {i} has experts for {len(tokens)} tokens, its sequence "
+                f"{len(seq)}"
+            )
+        if len(tokens):
+            out[i, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
+    return out
 
 
 def split_by_token_budget(lengths: Sequence[int], budget: int) -> list[list[int]]:

@@ -3,7 +3,8 @@
 Log-probs are computed only at response positions: the decoder runs over the whole sequence, but the
 LM head (the widest matmul for real vocabularies) sees just the hidden states that predict response
 tokens. Logits are divided by the rollout temperature so the trainer scores the distribution the
-engine sampled from.
+engine sampled from. A micro-batch with `routed_experts` runs with the policy's routers replaying
+them (models/routing_replay.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from relax_core.config import TrainConfig
+from relax_core.models.routing_replay import attach_routing_replay, routing_of
 from relax_core.multimodal.protocol import MultimodalDecoder
 from relax_core.train.backend import MicroBatchLoss
 from relax_core.train.batch import MicroBatch
@@ -27,6 +29,21 @@ def response_logprobs(
     model: PreTrainedModel, mb: MicroBatch, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs [B, R], entropy [B, R]) of the response tokens of `mb` under `model`."""
+    if mb.routed_experts is None:
+        return _response_logprobs(model, mb, temperature)
+    routing = routing_of(model)
+    if routing is None:
+        raise ValueError(
+            f"the micro-batch carries routed_experts but {type(model).__name__} has no routing "
+            "replay attached (models/routing_replay.attach_routing_replay)"
+        )
+    with routing.replay(mb.routed_experts):
+        return _response_logprobs(model, mb, temperature)
+
+
+def _response_logprobs(
+    model: PreTrainedModel, mb: MicroBatch, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     if mb.media is not None and isinstance(model, MultimodalDecoder):  # M-RoPE positions
         inputs = model.decoder_inputs(mb.input_ids, mb.attention_mask, mb.media)
         hidden = model.get_decoder()(**inputs, attention_mask=mb.attention_mask).last_hidden_state
@@ -44,6 +61,21 @@ def response_logprobs(
     logprobs = logp_all.gather(-1, mb.response_ids.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logprobs, entropy
+
+
+class ResponseScorer(torch.nn.Module):
+    """`response_logprobs` as a module, so a wrapper that acts around a module's forward (FSDP2
+    gathers its root's parameters there) sees the whole scoring pass, LM head included."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, mb: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        logprobs, entropy = response_logprobs(self.model, mb, temperature)
+        # A [B, R] copy: FSDP2 hooks its root's outputs for backward, which a view would not keep
+        # if a loss modified it in place.
+        return logprobs.clone(), entropy
 
 
 def _param_groups(model: torch.nn.Module, lr_scale: Callable[[str], float] | None) -> list[dict]:
@@ -67,6 +99,7 @@ class TorchBackend:
         temperature: float = 1.0,
         warmup_steps: int = 0,
         lr_scale: Callable[[str], float] | None = None,
+        scorer: torch.nn.Module | None = None,
     ) -> None:
         self.model = model.train()
         self.lr = lr
@@ -78,40 +111,64 @@ class TorchBackend:
         )
         self.before_micro_batch: Callable[[], None] | None = None
         """Called before each micro-batch's forward (e.g. to take cores other roles freed)."""
+        self.scorer: torch.nn.Module = scorer if scorer is not None else ResponseScorer(model)
+        """Runs `response_logprobs` over `model` (a sharded backend passes its sharded root)."""
 
     def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        return response_logprobs(self.model, mb, self.temperature)
+        return self.scorer(mb, self.temperature)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the policy is (a GPU trainer's; micro-batches are built on the CPU)."""
+        return next(self.model.parameters()).device
 
     @torch.no_grad()
     def logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
-        return [self._forward(mb)[0] for mb in micro_batches]
+        return [self._forward(mb.to(self.device))[0] for mb in micro_batches]
 
     def train_step(
         self, micro_batches: list[MicroBatch], loss_fn: MicroBatchLoss
     ) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
         total_seqs = sum(mb.num_seqs for mb in micro_batches)
+        metrics = self.accumulate_gradients(micro_batches, loss_fn, total_seqs)
+        metrics.update(self.apply_gradients())
+        return metrics
+
+    def accumulate_gradients(
+        self, micro_batches: list[MicroBatch], loss_fn: MicroBatchLoss, total_seqs: int
+    ) -> dict[str, float]:
+        """Forward and backward of each micro-batch, adding into the gradients. Returns the
+        loss metrics weighted by rows out of `total_seqs` (the step's rows, which may be more
+        than these micro-batches hold)."""
+        sums: dict[str, float] = {}
         for mb in micro_batches:
             if self.before_micro_batch is not None:
                 self.before_micro_batch()
+            mb = mb.to(self.device)
             logprobs, entropy = self._forward(mb)
             loss, metrics = loss_fn(logprobs, entropy, mb)
             loss.backward()
             # Metrics are per-micro-batch means; weight them by rows to report the batch mean.
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value) * mb.num_seqs / total_seqs
+        return sums
+
+    def apply_gradients(self) -> dict[str, float]:
+        """Clip the accumulated gradients, warm up the learning rate and step the optimizer (a
+        non-finite gradient norm skips the step)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         if math.isfinite(grad_norm):
             self._set_lr()
             self.optimizer.step()
-        sums["grad_norm"] = grad_norm
         first = self.optimizer.param_groups[0]
-        sums["lr"] = first["lr"] / first["lr_scale"]
-        sums["skipped_step"] = 0.0 if math.isfinite(grad_norm) else 1.0
-        return sums
+        return {
+            "grad_norm": grad_norm,
+            "lr": first["lr"] / first["lr_scale"],
+            "skipped_step": 0.0 if math.isfinite(grad_norm) else 1.0,
+        }
 
     def _set_lr(self) -> None:
         """Linear warmup keyed on the optimizer's own step count, so it survives a resume."""
@@ -138,6 +195,8 @@ class TorchBackend:
 
 def build_backend(model: PreTrainedModel, train: TrainConfig, temperature: float) -> TorchBackend:
     """The trainer's backend for `model` under the run's `train` settings."""
+    if train.routing_replay:
+        attach_routing_replay(model)
     encoders = getattr(model, "is_encoder_parameter", None)
     scale = None
     if encoders is not None and train.encoder_lr_scale != 1.0:

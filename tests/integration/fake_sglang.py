@@ -8,6 +8,11 @@ weight group over gloo exactly as SGLang's `init_weights_update_group` describes
 master_address:master_port, rank = rank_offset + tp_rank, store prefixed by group name), then
 receives each `update_weights_from_distributed` call's broadcast, flattened or per tensor.
 
+An MoE policy (a config with num_experts) serves `return_routed_experts` as SGLang does:
+`meta_info.routed_experts` = base64 of an int32 array [prompt + output - 1, layers, top_k]
+(models/routing_replay.py records them); a dense policy refuses the field, as a server
+launched without `--enable-return-routed-experts` has nothing to return.
+
 Test-only endpoints: `GET /relax_test/events` (what happened, in order: generate start/end with
 the weight version, update begin/end, pause, continue) and `GET /relax_test/digest` (sha256 of
 every parameter's bytes), so a test can check weights arrived bit-exact and that no generation
@@ -17,22 +22,29 @@ ran during an update.
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import json
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from relax_core.models.routing_replay import attach_routing_replay
 from relax_core.rollout.engine import SamplingParams
 from relax_core.rollout.torch_engine import TorchEngine
 from relax_core.sync.buckets import dtype_of
 from relax_core.sync.process_group import join_weight_group, leave_weight_group
 
 REQUIRED = {
-    "/generate": ({"input_ids", "sampling_params"}, {"return_logprob", "stream", "rid"}),
+    "/generate": (
+        {"input_ids", "sampling_params"},
+        {"return_logprob", "stream", "rid", "return_routed_experts"},
+    ),
     "/init_weights_update_group": (
         {"master_address", "master_port", "rank_offset", "world_size"},
         {"group_name", "backend"},
@@ -45,7 +57,14 @@ REQUIRED = {
     "/pause_generation": (set(), {"mode"}),
     "/continue_generation": (set(), set()),
     "/flush_cache": (set(), set()),
+    "/update_weights_from_disk": (
+        {"model_path"},
+        {"load_format", "abort_all_requests", "weight_version", "flush_cache", "keep_pause"},
+    ),
+    "/release_memory_occupation": (set(), {"tags"}),
+    "/resume_memory_occupation": (set(), {"tags"}),
 }
+MEMORY_TAGS = {"weights", "kv_cache", "cuda_graph"}
 SAMPLING = {"max_new_tokens", "temperature", "top_p", "skip_special_tokens", "stop_token_ids"}
 
 
@@ -55,6 +74,9 @@ class BadRequest(Exception):
 
 class FakeSGLang:
     def __init__(self, model, eos: int, pad: int, generate_delay_s: float) -> None:
+        self.moe = bool(getattr(model.config, "num_experts", 0))
+        if self.moe:
+            attach_routing_replay(model)
         self.engine = TorchEngine(model, eos, pad, seed=0)
         self.model = model
         self.weight_version = "default"
@@ -66,10 +88,17 @@ class FakeSGLang:
         self.waiting = 0
         self.model_lock = threading.Lock()
         self.generate_delay_s = generate_delay_s
+        self.released: set[str] = set()
+        """Memory tags released (colocate): generating needs none released, loading weights
+        needs 'weights' held."""
 
     def event(self, *what) -> None:
         with self.cond:
             self.events.append([time.time(), *what])
+            record = os.environ.get("RELAX_TEST_SGLANG_EVENTS")
+            if record:  # a server started by the product under test outlives no assertion
+                with open(record, "a") as f:
+                    f.write(json.dumps([time.time(), *what]) + "\n")
 
     # ------------------------------------------------------------------ endpoints
     def generate(self, body: dict) -> list | dict:
@@ -77,6 +106,8 @@ class FakeSGLang:
         single = bool(ids) and isinstance(ids[0], int)
         prompts = [ids] if single else ids
         sp = body["sampling_params"]
+        if body.get("return_routed_experts") and not self.moe:
+            raise BadRequest("return_routed_experts: the served model has no MoE routers")
         unknown = set(sp) - SAMPLING
         if unknown:
             raise BadRequest(f"unknown sampling_params {sorted(unknown)}")
@@ -87,6 +118,8 @@ class FakeSGLang:
             float(sp.get("top_p", 1.0)),
             greedy=temperature == 0,
         )
+        if self.released:
+            raise BadRequest(f"generate while memory is released ({sorted(self.released)})")
         with self.cond:  # a paused server queues new requests (retract/in_place) until continue
             self.waiting += 1
             while self.paused:
@@ -117,6 +150,9 @@ class FakeSGLang:
                 meta["output_token_logprobs"] = [
                     [lp, t, None] for lp, t in zip(c.logprobs, c.response_ids, strict=True)
                 ]
+            if body.get("return_routed_experts"):
+                experts = np.asarray(c.routed_experts, dtype=np.int32)
+                meta["routed_experts"] = base64.b64encode(experts.tobytes()).decode("utf-8")
             out.append({"text": "", "output_ids": c.response_ids, "meta_info": meta})
         return out[0] if single else out
 
@@ -169,6 +205,53 @@ class FakeSGLang:
         self.event("update_end", self.weight_version)
         return {"success": True, "message": "Succeeded to update parameter online."}
 
+    def update_from_disk(self, body: dict) -> dict:
+        from safetensors.torch import load_file
+
+        path = body["model_path"]
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            return {"success": False, "message": f"no *.safetensors in {path}"}
+        if "weights" in self.released:
+            return {"success": False, "message": "weights are released; resume them first"}
+        self.event("update_begin", "disk")
+        with self.model_lock:
+            params = dict(self.model.named_parameters())
+            loaded = {}
+            for f in files:
+                loaded.update(load_file(os.path.join(path, f)))
+            unknown = sorted(set(loaded) - set(params))
+            if unknown:
+                return {"success": False, "message": f"unknown parameters {unknown}"}
+            with torch.no_grad():
+                for n, t in loaded.items():
+                    params[n].copy_(t)
+            if body.get("weight_version") is not None:
+                self.weight_version = str(body["weight_version"])
+        self.event("update_end", self.weight_version)
+        return {
+            "success": True,
+            "message": "Succeeded to update model weights.",
+            "num_paused_requests": 0,
+        }
+
+    def release(self, body: dict) -> dict:
+        tags = set(body.get("tags") or MEMORY_TAGS)
+        if tags - MEMORY_TAGS:
+            raise BadRequest(f"unknown memory tags {sorted(tags - MEMORY_TAGS)}")
+        with self.cond:
+            if self.waiting or self.running:
+                raise BadRequest("release_memory_occupation while requests run")
+            self.released |= tags
+        self.event("release", sorted(tags))
+        return {"success": True, "message": "released"}
+
+    def resume_memory(self, body: dict) -> dict:
+        tags = set(body.get("tags") or MEMORY_TAGS)
+        self.released -= tags
+        self.event("resume_memory", sorted(tags))
+        return {"success": True, "message": "resumed"}
+
     def destroy_group(self, body: dict) -> dict:
         group = self.groups.pop(body.get("group_name", "weight_update_group"), None)
         if group is None:
@@ -217,6 +300,9 @@ def serve(state: FakeSGLang, port: int) -> ThreadingHTTPServer:
         "/pause_generation": state.pause,
         "/continue_generation": state.resume,
         "/flush_cache": lambda body: {"success": True, "message": ""},
+        "/update_weights_from_disk": state.update_from_disk,
+        "/release_memory_occupation": state.release,
+        "/resume_memory_occupation": state.resume_memory,
     }
 
     class Handler(BaseHTTPRequestHandler):
@@ -274,6 +360,7 @@ def main() -> None:
     p.add_argument("--checkpoint", help="a policy directory (load_policy)")
     p.add_argument("--tiny-seed", type=int, default=0, help="else: the tests' tiny policy")
     p.add_argument("--generate-delay-s", type=float, default=0.0)
+    p.add_argument("--weight-version", default="default")
     a = p.parse_args()
     torch.set_num_threads(1)
     if a.checkpoint:
@@ -285,6 +372,7 @@ def main() -> None:
 
         model, tok = tiny_policy(a.tiny_seed)
     state = FakeSGLang(model, tok.eos_token_id, tok.pad_token_id, a.generate_delay_s)
+    state.weight_version = a.weight_version
     serve(state, a.port).serve_forever()
 
 

@@ -126,7 +126,6 @@ def test_algorithm_suite_settings_that_make_sense_load():
     ("sections", "expected"),
     [
         ({"rollout": {"engine": "vllm"}}, "rollout.engine: 'vllm' is not one of torch, sglang"),
-        ({"rollout": {"engine": "sglang"}}, "rollout.engine: 'sglang' is not available"),
         ({"tracking": {"registered_model": "my model"}}, "tracking.registered_model: 'my model'"),
         ({"tracking": {"registered_model": "a/b"}}, "letters, digits, '.', '_' or '-'"),
         (

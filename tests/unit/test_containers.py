@@ -62,6 +62,7 @@ def test_sidecar_waits_for_the_complete_policy_then_serves_it_on_loopback(tmp_pa
     try:
         time.sleep(1.0)
         assert proc.poll() is None and not record.exists()  # no READY yet: still waiting
+        (model / "VERSION").write_text("5")
         (model / "READY").write_text("")
         assert proc.wait(timeout=10) == 0
     finally:
@@ -72,6 +73,8 @@ def test_sidecar_waits_for_the_complete_policy_then_serves_it_on_loopback(tmp_pa
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
     assert argv[argv.index("--port") + 1] == "30000"
     assert argv[argv.index("--tp-size") + 1] == "2"
+    assert argv[argv.index("--weight-version") + 1] == "5"  # the published policy's VERSION
+    assert "--skip-tokenizer-init" in argv  # token ids in and out, as the rollout client sends
 
 
 def test_sidecar_refuses_to_start_without_a_model_directory():

@@ -3,7 +3,8 @@
 Parts: `model` builds the process groups, GPTModel (TransformerEngine layer spec when installed,
 else the local spec), DDP and the (distributed) Adam optimizer; `weights` loads HF weights as
 per-rank shards and gathers them back; `convert` maps Megatron <-> HF names; `logprobs` turns
-vocab-parallel logits into log-probs and entropy. One process per GPU (torchrun); every rank
+vocab-parallel logits into log-probs and entropy; `replay` routes each micro-batch's MoE tokens
+to the experts its rows recorded (routing_replay). One process per GPU (torchrun); every rank
 calls every method in the same order, each data-parallel rank with its own micro-batches
 (gradients are averaged over data-parallel ranks, so `loss_fn` normalizes per rank).
 
@@ -13,10 +14,12 @@ the LM head runs over all positions (the torch backend runs it only at response 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -32,6 +35,13 @@ from relax_core.train.megatron.model import (
     init_parallel,
     resolve_spec,
     wrap_ddp,
+)
+from relax_core.train.megatron.names import Dims
+from relax_core.train.megatron.replay import (
+    check_no_recompute,
+    replaying,
+    router_replays,
+    router_topk_indices,
 )
 from relax_core.train.megatron.weights import gathered_megatron, load_hf_into, write_safetensors
 
@@ -54,6 +64,7 @@ class MegatronBackend:
         spec: str = "auto",
         max_sequence_length: int | None = None,
         seed: int = 0,
+        routing_replay: bool = False,
     ) -> None:
         for field, size in (("pp", parallel.pp), ("cp", parallel.cp)):
             if size != 1:
@@ -68,7 +79,25 @@ class MegatronBackend:
         self.spec = resolve_spec(spec)
         self.lr, self.warmup_steps, self.temperature = lr, warmup_steps, temperature
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self.model, config = build_gpt(hf_config, parallel, dtype, self.spec, max_sequence_length)
+        self.routing_replay = routing_replay
+        """Route every micro-batch's MoE tokens to its `routed_experts` (rollout routing replay)."""
+        self.model, config = build_gpt(
+            hf_config,
+            parallel,
+            dtype,
+            self.spec,
+            max_sequence_length,
+            routing_replay=routing_replay,
+        )
+        self._replays = router_replays(self.model) if routing_replay else []
+        if routing_replay:
+            check_no_recompute(config)
+            moe_layers = sum(Dims.from_hf(hf_config).moe_layers)
+            if len(self._replays) != moe_layers:
+                raise RuntimeError(
+                    f"routing replay: GPTModel has {len(self._replays)} router replays for "
+                    f"{moe_layers} MoE layers"
+                )
         self.model.to(self.device)
         load_hf_into(self.model, hf_state, hf_config, self.spec)
         self.ddp = wrap_ddp(self.model, config, parallel)
@@ -78,11 +107,11 @@ class MegatronBackend:
 
     def _forward(self, module: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, ...]:
         ids = mb.input_ids.to(self.device)
-        width = ids.shape[1]
-        if self.parallel.sequence_parallel and width % self.parallel.tp:
-            # Sequence parallel splits the sequence over TP ranks; right padding changes nothing
-            # before it under causal attention.
-            ids = torch.nn.functional.pad(ids, (0, self.parallel.tp - width % self.parallel.tp))
+        # Sequence parallel splits the sequence over TP ranks; right padding changes nothing
+        # before it under causal attention.
+        ids = torch.nn.functional.pad(
+            ids, (0, self.parallel.padded_length(ids.shape[1]) - ids.shape[1])
+        )
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
         # Rows are right-padded and attention is causal: no mask needed for real tokens.
         logits = module(ids, positions, None)  # [B, S, V/tp]
@@ -90,11 +119,42 @@ class MegatronBackend:
         picked = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
         return vocab_parallel_logprobs(picked, mb.response_ids.to(self.device), self.temperature)
 
+    def _routing(self, mb: MicroBatch) -> AbstractContextManager[None]:
+        """Where the forward (and backward) of `mb` runs: its recorded experts replayed when
+        routing_replay is on."""
+        if mb.routed_experts is None:
+            if self.routing_replay:
+                raise ValueError(
+                    "routing_replay is on but the micro-batch has no routed_experts (the "
+                    "rollout engine must return them)"
+                )
+            return contextlib.nullcontext()
+        if not self.routing_replay:
+            raise ValueError(
+                "the micro-batch carries routed_experts but the Megatron backend was built "
+                "without routing_replay"
+            )
+        from megatron.core import parallel_state
+
+        indices = router_topk_indices(
+            mb.routed_experts.cpu(),  # checked on the host: no device syncs
+            tuple(mb.input_ids.shape),
+            Dims.from_hf(self.hf_config),
+            int(self.hf_config.num_experts_per_tok),
+            self.parallel,
+            parallel_state.get_tensor_model_parallel_rank(),
+        )
+        return replaying(self._replays, [layer.to(self.device) for layer in indices])
+
     @torch.no_grad()
     def logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
         self.model.eval()
         try:
-            return [self._forward(self.model, mb)[0].cpu() for mb in micro_batches]
+            out = []
+            for mb in micro_batches:
+                with self._routing(mb):
+                    out.append(self._forward(self.model, mb)[0].cpu())
+            return out
         finally:
             self.model.train()
 
@@ -109,9 +169,10 @@ class MegatronBackend:
         total_seqs = sum(mb.num_seqs for mb in micro_batches)
         for mb in micro_batches:
             on_device = _to_device(mb, self.device)
-            logprobs, entropy = self._forward(self.ddp, on_device)
-            loss, metrics = loss_fn(logprobs, entropy, on_device)
-            loss.backward()
+            with self._routing(on_device):  # backward runs no router (no recomputation)
+                logprobs, entropy = self._forward(self.ddp, on_device)
+                loss, metrics = loss_fn(logprobs, entropy, on_device)
+                loss.backward()
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value) * mb.num_seqs / total_seqs
         finalize_model_grads([self.ddp])
@@ -214,10 +275,16 @@ def _barrier() -> None:
 
 
 def build_megatron_backend(
-    model: Any, train: Any, temperature: float, parallel: MegatronParallel, dtype: str = "bfloat16"
+    model: Any,
+    train: Any,
+    temperature: float,
+    parallel: MegatronParallel,
+    dtype: str = "bfloat16",
+    routing_replay: bool = False,
 ) -> MegatronBackend:
     """The Megatron backend for an HF `model` (weights read once, then sharded) under the run's
-    `train` settings (a TrainConfig)."""
+    `train` settings (a TrainConfig); `routing_replay` replays each micro-batch's routed experts
+    in the MoE routers."""
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     return MegatronBackend(
         model.config,
@@ -229,4 +296,5 @@ def build_megatron_backend(
         temperature,
         train.warmup_steps,
         dtype=dtype,
+        routing_replay=routing_replay,
     )

@@ -36,6 +36,13 @@ class MegatronParallel:
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("MegatronParallel.sequence_parallel needs tp > 1 (got tp=1)")
 
+    def padded_length(self, length: int) -> int:
+        """The sequence length the model runs on: with sequence parallel, `length` right-padded
+        to a multiple of tp (the sequence is split evenly over the TP ranks)."""
+        if self.sequence_parallel and length % self.tp:
+            return length + self.tp - length % self.tp
+        return length
+
     def check_model(self, hf_config: Any) -> None:
         """Raise ValueError naming the field when this layout cannot split the model."""
         dims = Dims.from_hf(hf_config)
@@ -66,14 +73,23 @@ TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32":
 
 
 def transformer_config_kwargs(
-    hf_config: Any, parallel: MegatronParallel, dtype: str = "bfloat16"
+    hf_config: Any,
+    parallel: MegatronParallel,
+    dtype: str = "bfloat16",
+    routing_replay: bool = False,
 ) -> dict[str, Any]:
     """Keyword arguments of megatron.core.transformer.TransformerConfig for an HF Qwen3 / Qwen3-MoE
-    config. Rotary base and vocabulary are GPTModel arguments: see `gpt_model_kwargs`."""
+    config. Rotary base and vocabulary are GPTModel arguments: see `gpt_model_kwargs`.
+    `routing_replay` gives every MoE router a RouterReplay (rollout routing replay, replay.py)."""
     parallel.check_model(hf_config)
     if dtype not in TORCH_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
     dims = Dims.from_hf(hf_config)
+    if routing_replay and not dims.num_experts:
+        raise ValueError(
+            f"routing_replay needs an MoE model; {dims.model_type} with no experts is dense "
+            "(turn train.routing_replay off)"
+        )
     kwargs: dict[str, Any] = {
         "num_layers": dims.num_layers,
         "hidden_size": dims.hidden,
@@ -102,6 +118,7 @@ def transformer_config_kwargs(
     }
     if dims.num_experts:
         kwargs.update(_moe_kwargs(hf_config, dims, parallel))
+        kwargs["moe_enable_routing_replay"] = routing_replay
     return kwargs
 
 

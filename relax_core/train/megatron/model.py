@@ -62,8 +62,10 @@ def build_gpt(
     spec: str,
     max_sequence_length: int | None = None,
     cpu_init: bool = False,
+    routing_replay: bool = False,
 ):
-    """(GPTModel, TransformerConfig) for an HF Qwen3 / Qwen3-MoE config; `spec` 'te' or 'local'."""
+    """(GPTModel, TransformerConfig) for an HF Qwen3 / Qwen3-MoE config; `spec` 'te' or 'local'.
+    `routing_replay`: each MoE router gets a RouterReplay (replay.py finds them on the model)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
@@ -71,8 +73,9 @@ def build_gpt(
         get_gpt_layer_with_transformer_engine_spec,
     )
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    kwargs = transformer_config_kwargs(hf_config, parallel, dtype)
+    kwargs = transformer_config_kwargs(hf_config, parallel, dtype, routing_replay=routing_replay)
     config = TransformerConfig(**kwargs, use_cpu_initialization=cpu_init)
     if Dims.from_hf(hf_config).num_experts:  # per-layer specs: dense and MoE layers may mix
         layer_spec = get_gpt_decoder_block_spec(
@@ -82,6 +85,9 @@ def build_gpt(
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
     else:
         layer_spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    # Every RouterReplay appends itself to a process-global list; drop those of earlier models
+    # so they are not kept alive (replay.py reads each model's own, never the global list).
+    RouterReplay.clear_global_router_replay_instances()
     model = GPTModel(
         config,
         layer_spec,

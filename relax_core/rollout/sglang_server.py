@@ -1,0 +1,210 @@
+"""The SGLang server a rollout worker drives: started here, or a running one found by URL.
+
+Two ways a worker gets its server (`rollout.engine: sglang`):
+- **started**: `python -m sglang.launch_server` on the checkpoint's policy, from SGLang's own venv
+  or image (`sglang.python`, else $RELAX_SGLANG_PYTHON, else this Python), on a free loopback
+  port, `--weight-version` set to the checkpoint's policy version so the first completions are
+  attributed right. It runs in its own session, so `stop` ends SGLang's scheduler and detokenizer
+  processes with it; the worker stops it when it exits.
+- **attached**: `sglang.url` (or $RELAX_SGLANG_URL, which the rollout pod sets): the pod's sidecar
+  (tasks/pods.py). When $RELAX_MODEL_DIR names the volume the sidecar loads from, the worker
+  first publishes the policy there (model files, VERSION, then READY last: containers/rollout/
+  serve.sh waits for READY), then waits for /health.
+
+Either way the worker drives it through `SGLangEngine` (sglang_engine.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from relax_core.config import SGLangConfig
+from relax_core.rollout.sglang_engine import SGLangClient, SGLangError, wait_healthy
+from relax_core.sync.process_group import free_port
+
+log = logging.getLogger(__name__)
+
+POLICY_FILES = (".json", ".safetensors", ".txt", ".model", ".jinja")
+"""What of a checkpoint a server loads: config, weights (and their index), tokenizer files."""
+
+
+def server_command(
+    python: str,
+    model_path: str,
+    port: int,
+    tp_size: int,
+    version: int,
+    cfg: SGLangConfig,
+    host: str = "127.0.0.1",
+    memory_saver: bool = False,
+    routed_experts: bool = False,
+) -> list[str]:
+    """The `sglang.launch_server` command line. Token ids go in and out (the rollout role holds
+    the tokenizer), so the server skips its own tokenizer."""
+    cmd = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(tp_size),
+        "--mem-fraction-static",
+        str(cfg.mem_fraction_static),
+        "--weight-version",
+        str(version),
+        "--skip-tokenizer-init",
+    ]
+    if memory_saver:
+        cmd.append("--enable-memory-saver")
+    if routed_experts:
+        cmd.append("--enable-return-routed-experts")
+    return cmd + shlex.split(cfg.extra_args)
+
+
+def _die_with_parent() -> None:
+    """In the server's process before exec: SIGTERM it when the rollout worker dies, however it
+    dies (a SIGKILLed worker would otherwise leave its server holding the GPU). Linux only;
+    elsewhere the worker's own stop is all there is."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class SGLangServer:
+    """A server process this process started (and so stops)."""
+
+    proc: subprocess.Popen
+    client: SGLangClient
+    log_path: str
+
+    @classmethod
+    def start(
+        cls,
+        model_path: str,
+        cfg: SGLangConfig,
+        tp_size: int,
+        version: int,
+        log_path: str,
+        memory_saver: bool = False,
+        routed_experts: bool = False,
+    ) -> SGLangServer:
+        python = cfg.python or os.environ.get("RELAX_SGLANG_PYTHON") or sys.executable
+        host = "127.0.0.1"
+        port = free_port(host)
+        cmd = server_command(
+            python, model_path, port, tp_size, version, cfg, host, memory_saver, routed_experts
+        )
+        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        server = cls(
+            proc, SGLangClient(f"http://{host}:{port}", timeout_s=cfg.start_timeout_s), log_path
+        )
+        log.info("started SGLang (pid %d) on %s: %s", proc.pid, server.client.url, shlex.join(cmd))
+        try:
+            wait_healthy(server.client, cfg.start_timeout_s, proc)
+        except SGLangError as err:
+            server.stop()
+            raise SGLangError(f"{err}; the server's log: {log_path}") from err
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM to the server's whole process group, SIGKILL after `timeout_s`."""
+        if self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def __enter__(self) -> SGLangServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def publish_policy(checkpoint: str, model_dir: str, version: int) -> None:
+    """Copy a checkpoint's policy where a sidecar loads it; READY goes last, so the sidecar never
+    sees a half-written model. One already published (by this worker before a restart) stays: the
+    sidecar has loaded it."""
+    if os.path.exists(os.path.join(model_dir, "READY")):
+        return
+    staging = f"{model_dir.rstrip('/')}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    names = [n for n in sorted(os.listdir(checkpoint)) if n.endswith(POLICY_FILES)]
+    if not any(n.endswith(".safetensors") for n in names):
+        raise FileNotFoundError(f"{checkpoint}: no *.safetensors weights to publish for SGLang")
+    for name in names:
+        if name != "state.json":
+            shutil.copy2(os.path.join(checkpoint, name), os.path.join(staging, name))
+    with open(os.path.join(staging, "VERSION"), "w") as f:
+        f.write(str(version))
+    shutil.rmtree(model_dir, ignore_errors=True)
+    os.replace(staging, model_dir)
+    with open(os.path.join(model_dir, "READY"), "w"):
+        pass
+
+
+def server_url(cfg: SGLangConfig, worker: int) -> str:
+    """The URL of a running server this worker drives; empty when it starts its own."""
+    url = cfg.url or os.environ.get("RELAX_SGLANG_URL", "")
+    return url.replace("{worker}", str(worker))
+
+
+def attach_or_start(
+    cfg: SGLangConfig,
+    worker: int,
+    checkpoint: str,
+    version: int,
+    tp_size: int,
+    log_path: str,
+    memory_saver: bool = False,
+    routed_experts: bool = False,
+) -> tuple[SGLangClient, SGLangServer | None]:
+    """A healthy server for rollout worker `worker`: the configured one (publishing the policy
+    first when $RELAX_MODEL_DIR asks for it) or one started here (returned, for the caller to
+    stop)."""
+    url = server_url(cfg, worker)
+    if not url:
+        server = SGLangServer.start(
+            checkpoint, cfg, tp_size, version, log_path, memory_saver, routed_experts
+        )
+        return server.client, server
+    model_dir = os.environ.get("RELAX_MODEL_DIR")
+    if model_dir:
+        publish_policy(checkpoint, model_dir, version)
+    client = SGLangClient(url, timeout_s=cfg.start_timeout_s)
+    wait_healthy(client, cfg.start_timeout_s)
+    return client, None

@@ -1,0 +1,250 @@
+"""FSDP2 train backend: the torch backend's math, data parallel over several GPUs (or CPU ranks).
+
+Parameters are sharded per decoder layer with `fully_shard` (DTensor per parameter); the root
+FSDP unit is the backend's scoring module (`ResponseScorer`: the HF model plus the response-only
+LM head), because the backend's forward goes through `get_decoder()`/`get_output_embeddings()`
+rather than `model.forward`, and FSDP2 gathers the root's parameters (embeddings, final norm, LM
+head) around the root's forward. Loss, log-probs, clipping, warmup and the optimizer are those of
+a `TorchBackend` built on the sharded model; this module only splits a step's micro-batches over
+ranks and makes the ranks agree.
+
+Every rank receives the same step (all micro-batches) and calls every method in step with the
+others: forwards, `named_weights`, `save` and `load` are collective. The process group is the
+caller's (`torch.distributed.init_process_group`: gloo on CPU, nccl on GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
+
+from relax_core.config import TrainConfig
+from relax_core.train.backend import MicroBatchLoss
+from relax_core.train.batch import MicroBatch
+from relax_core.train.torch_backend import ResponseScorer, TorchBackend, build_backend
+
+OPTIMIZER_DIR = "optim"
+OPTIMIZER_FILE = "optimizer.pt"
+MIXED_PRECISION = ("none", "bf16")
+_LAYER_LISTS = ("layers", "h", "blocks")
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks, each its own FSDP unit: the classes HF names in
+    `_no_split_modules` (decoder layers, and a multimodal model's encoder blocks), else a
+    ModuleList called layers/h/blocks. Inner blocks come before the blocks holding them."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = [m for m in model.modules() if type(m).__name__ in names]
+    if not found:
+        found = [
+            block
+            for name, m in model.named_modules()
+            if isinstance(m, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in _LAYER_LISTS
+            for block in m
+        ]
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__} has no decoder layers to shard with FSDP2 (no module of a "
+            f"class in _no_split_modules, no ModuleList named {'/'.join(_LAYER_LISTS)}); use "
+            "train.backend 'torch' for it"
+        )
+    return found[::-1]  # modules() is parents first; fully_shard wants children first
+
+
+def shard_policy(
+    model: PreTrainedModel, mesh_or_none: DeviceMesh | None, mixed_precision: str
+) -> ResponseScorer:
+    """Shard `model` in place with FSDP2: each decoder layer, then the root (the returned scoring
+    module that holds `model`). 'bf16' computes in bfloat16 and reduces gradients in float32; the
+    sharded parameters (and so the optimizer and checkpoints) stay in the model's dtype."""
+    if mixed_precision not in MIXED_PRECISION:
+        raise ValueError(
+            f"mixed_precision must be one of {MIXED_PRECISION}, not {mixed_precision!r}"
+        )
+    kwargs: dict = {"mesh": mesh_or_none, "reshard_after_forward": True}
+    if mixed_precision == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    root = ResponseScorer(model)
+    fully_shard(root, **kwargs)
+    return root
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (a collective on its mesh); plain tensors pass through."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _zero_weighted(loss_fn: MicroBatchLoss) -> MicroBatchLoss:
+    """`loss_fn` scaled by 0: a forward/backward that adds nothing but keeps a rank's
+    collectives paired with the others'."""
+
+    def zero(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch):
+        loss, metrics = loss_fn(logprobs, entropy, mb)
+        return loss * 0.0, {k: torch.as_tensor(v) * 0.0 for k, v in metrics.items()}
+
+    return zero
+
+
+class FSDPBackend:
+    """A `TrainBackend` over an FSDP2-sharded model: rank r of W takes micro-batches r, r+W, ...
+    of each step. The loss functions normalise by the whole step's token/sequence counts (each
+    micro-batch's loss is its share of the step loss), so gradients are summed across ranks,
+    not averaged: W ranks then give the gradient of one process running every micro-batch."""
+
+    def __init__(
+        self, inner: TorchBackend, mesh: DeviceMesh, device: torch.device | str = "cpu"
+    ) -> None:
+        self.inner = inner
+        self.model = inner.model
+        self.root = inner.scorer
+        self.group = mesh.get_group()
+        self.rank = mesh.get_local_rank()
+        self.world = mesh.size()
+        self.device = torch.device(device)
+        for module in self.root.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+    @property
+    def before_micro_batch(self) -> Callable[[], None] | None:
+        return self.inner.before_micro_batch
+
+    @before_micro_batch.setter
+    def before_micro_batch(self, hook: Callable[[], None] | None) -> None:
+        self.inner.before_micro_batch = hook
+
+    def _to_device(self, mb: MicroBatch) -> MicroBatch:
+        if self.device.type == "cpu":
+            return mb
+        tensors = {
+            f.name: getattr(mb, f.name).to(self.device, non_blocking=True)
+            for f in dataclasses.fields(mb)
+            if isinstance(getattr(mb, f.name), torch.Tensor)
+        }
+        extras = {k: v.to(self.device, non_blocking=True) for k, v in mb.extras.items()}
+        return dataclasses.replace(mb, **tensors, extras=extras)
+
+    def _rounds(self, micro_batches: list[MicroBatch]) -> int:
+        return -(-len(micro_batches) // self.world)
+
+    @torch.no_grad()
+    def logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
+        """Each rank scores its share; every rank returns all of them (broadcast by owner)."""
+        mbs = [self._to_device(mb) for mb in micro_batches]
+        mine = {i: self.inner._forward(mbs[i])[0] for i in range(self.rank, len(mbs), self.world)}
+        for _ in range(len(mine), self._rounds(mbs)):
+            self.inner._forward(mbs[0])  # keeps the all-gathers paired across ranks
+        out = []
+        for i, mb in enumerate(mbs):
+            shape = (mb.num_seqs, mb.response_ids.shape[1])
+            logp = mine.get(i, torch.empty(shape, dtype=torch.float32, device=self.device))
+            dist.broadcast(logp, group_src=i % self.world, group=self.group)
+            out.append(logp)
+        return out
+
+    def train_step(
+        self, micro_batches: list[MicroBatch], loss_fn: MicroBatchLoss
+    ) -> dict[str, float]:
+        mbs = [self._to_device(mb) for mb in micro_batches]
+        mine = mbs[self.rank :: self.world]
+        total_seqs = sum(mb.num_seqs for mb in mbs)
+        self.inner.optimizer.zero_grad(set_to_none=True)
+        sums = self.inner.accumulate_gradients(mine, loss_fn, total_seqs)
+        if len(mine) < self._rounds(mbs):
+            padding = self.inner.accumulate_gradients(mbs[:1], _zero_weighted(loss_fn), total_seqs)
+            sums = {k: sums.get(k, 0.0) + v for k, v in padding.items()}
+        metrics = self._sum_across_ranks(sums)
+        metrics.update(self.inner.apply_gradients())  # grad norm: a DTensor reduced over ranks
+        return metrics
+
+    def _sum_across_ranks(self, sums: dict[str, float]) -> dict[str, float]:
+        """Each rank's metric sums are its rows' share of the step mean; their sum is the mean.
+        Assumes the loss reports the same metric names for every micro-batch."""
+        keys = sorted(sums)
+        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(values, group=self.group)
+        return dict(zip(keys, values.tolist(), strict=True))
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full (unsharded) weights by HF name. Collective: each tensor is all-gathered, so every
+        rank must iterate to the end in step, though only rank 0 (the weight-sync sender) needs
+        the tensors."""
+        for name, param in self.model.named_parameters():
+            yield name, _full(param.detach())
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's full state dict on rank 0's CPU ({} elsewhere). Collective."""
+        out = {}
+        for name, tensor in self.model.state_dict().items():
+            full = _full(tensor.detach())
+            if self.rank == 0:
+                out[name] = full.cpu()
+        return out
+
+    def save(self, directory: str) -> None:
+        """Rank 0 writes the HF model (safetensors, as any checkpoint) and the full optimizer
+        state (tensors keyed by parameter name; `optim/optimizer.pt`). Collective."""
+        state = self._full_state_dict()
+        optim = get_optimizer_state_dict(
+            self.root,
+            self.inner.optimizer,
+            options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+        )
+        if self.rank == 0:
+            self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+            os.makedirs(os.path.join(directory, OPTIMIZER_DIR), exist_ok=True)
+            torch.save(optim, os.path.join(directory, OPTIMIZER_DIR, OPTIMIZER_FILE))
+        dist.barrier(group=self.group)
+
+    def load(self, directory: str) -> None:
+        """Restore the optimizer state (rank 0 reads, then it is scattered to the shards); the
+        model weights are loaded by whoever built the model, as for `TorchBackend`. Collective."""
+        optim: dict = {}
+        if self.rank == 0:
+            path = os.path.join(directory, OPTIMIZER_DIR, OPTIMIZER_FILE)
+            optim = torch.load(path, map_location="cpu", weights_only=True)
+        set_optimizer_state_dict(
+            self.root,
+            self.inner.optimizer,
+            optim,
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
+
+
+def build_fsdp_backend(
+    model: PreTrainedModel,
+    train: TrainConfig,
+    temperature: float,
+    mesh: DeviceMesh | None = None,
+    device: torch.device | str = "cpu",
+    mixed_precision: str = "none",
+) -> FSDPBackend:
+    """The trainer's FSDP2 backend for `model` under the run's `train` settings. Call on every
+    rank after `init_process_group` (and `torch.cuda.set_device(local_rank)` on GPU), with the
+    same unsharded `model` on each (e.g. loaded from the same checkpoint); `device` is this
+    rank's ('cuda:<local_rank>' or 'cpu'); `mesh` defaults to all ranks of the default group."""
+    device = torch.device(device)
+    if mesh is None:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    root = shard_policy(model, mesh, mixed_precision)
+    inner = build_backend(model, train, temperature)  # AdamW over the sharded parameters
+    inner.scorer = root
+    return FSDPBackend(inner, mesh, device)

@@ -1,0 +1,48 @@
+"""`python -m sglang.launch_server ...` for tests: SGLang's arguments, fake_sglang's server.
+
+Arguments a real server takes and this one cannot honour are refused, so the launcher's command
+line is checked as well: unknown flags are an error, as with SGLang's own argument parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="sglang.launch_server")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--mem-fraction-static", type=float)
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--skip-tokenizer-init", action="store_true")
+    p.add_argument("--enable-memory-saver", action="store_true")
+    p.add_argument("--enable-return-routed-experts", action="store_true")
+    a = p.parse_args()
+    if a.tp_size != 1:
+        sys.exit("the test server has one tensor-parallel rank")
+    record = os.environ.get("RELAX_TEST_SGLANG_ARGV")
+    if record:
+        with open(record, "a") as f:
+            f.write(json.dumps(sys.argv[1:]) + "\n")
+    from tests.integration import fake_sglang
+
+    sys.argv = [
+        "fake_sglang",
+        "--port",
+        str(a.port),
+        "--checkpoint",
+        a.model_path,
+        "--weight-version",
+        a.weight_version,
+    ]
+    fake_sglang.main()
+
+
+if __name__ == "__main__":
+    main()

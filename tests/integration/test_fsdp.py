@@ -1,0 +1,174 @@
+"""FSDP2 backend on 2 CPU ranks (gloo) against the single-process torch backend.
+
+Two training steps over the same 5 micro-batches (rank 0 takes 3, rank 1 takes 2 and one
+zero-weighted pad) must give the weights and metrics one process gives, and a checkpoint saved
+after step 1 and resumed in fresh processes must make the same step 2 as running on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from relax_core.algorithms import LossInputs, LossSettings, grpo_loss
+from relax_core.config import ModelConfig, TrainConfig
+from relax_core.models.tiny import build_tiny_qwen3
+from relax_core.train.batch import MicroBatch, make_micro_batch
+from relax_core.train.fsdp import decoder_layers
+from relax_core.train.torch_backend import build_backend
+
+SMALL = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+VOCAB = 64
+TRAIN = TrainConfig(lr=1e-3, grad_clip=1.0, warmup_steps=2)
+ROWS = [3, 1, 2, 2, 1]  # rows per micro-batch: uneven, so the metrics' row weighting matters
+
+
+def _micro_batches(step: int) -> list[MicroBatch]:
+    gen = torch.Generator().manual_seed(100 + step)
+    out = []
+    for rows in ROWS:
+        lens = [
+            (
+                int(torch.randint(2, 6, (), generator=gen)),
+                int(torch.randint(1, 5, (), generator=gen)),
+            )
+            for _ in range(rows)
+        ]
+        prompts = [torch.randint(4, VOCAB, (p,), generator=gen).tolist() for p, _ in lens]
+        responses = [torch.randint(4, VOCAB, (r,), generator=gen).tolist() for _, r in lens]
+        adv = [float(torch.randn((), generator=gen)) for _ in range(rows)]
+        out.append(
+            make_micro_batch(
+                prompts,
+                responses,
+                [[1] * len(r) for r in responses],
+                pad_token_id=0,
+                extras={"advantages": [[a] * len(r) for a, r in zip(adv, responses, strict=True)]},
+            )
+        )
+    return out
+
+
+def _loss_fn(mbs: list[MicroBatch]):
+    num_tokens = float(sum(mb.loss_mask.sum() for mb in mbs))
+
+    def loss_fn(logprobs, entropy, mb):
+        # A fixed proximal policy a little off the current one, so the ratio is not 1.
+        old = logprobs.detach() + 0.1 * mb.extras["advantages"].sign()
+        inputs = LossInputs(logprobs, old, mb.extras["advantages"], mb.loss_mask)
+        return grpo_loss(inputs, LossSettings(), num_tokens=num_tokens)
+
+    return loss_fn
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, port: int, out: str, resume: bool) -> None:
+    """One FSDP rank: steps 1 and 2 (saving after step 1), or step 2 resumed from that save."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from relax_core.train.fsdp import build_fsdp_backend
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        ckpt = os.path.join(out, "ckpt")
+        if resume:
+            model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        else:
+            model = build_tiny_qwen3(SMALL, VOCAB, seed=0)
+        backend = build_fsdp_backend(model, TRAIN, temperature=0.9)
+        if resume:
+            backend.load(ckpt)
+        metrics = {}
+        for step in (1, 2):
+            if resume and step == 1:
+                continue
+            mbs = _micro_batches(step)
+            if step == 1:
+                logps = backend.logprobs(mbs)
+            metrics[step] = backend.train_step(mbs, _loss_fn(mbs))
+            if step == 1:
+                backend.save(ckpt)
+        weights = {n: w.clone() for n, w in backend.named_weights()}
+        if rank == 0:
+            tag = "resumed" if resume else "fsdp"
+            save_file(weights, os.path.join(out, f"{tag}.safetensors"))
+            with open(os.path.join(out, f"{tag}.json"), "w") as f:
+                json.dump(metrics, f)
+            if not resume:
+                save_file(
+                    {str(i): t for i, t in enumerate(logps)}, os.path.join(out, "logps.safetensors")
+                )
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(out: str, resume: bool) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_main, args=(_free_port(), out, resume), nprocs=2, join=True)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_fsdp_two_ranks_match_one_process_and_resume(tmp_path):
+    out = str(tmp_path)
+    _spawn(out, resume=False)
+    _spawn(out, resume=True)
+
+    backend = build_backend(build_tiny_qwen3(SMALL, VOCAB, seed=0), TRAIN, temperature=0.9)
+    mbs1 = _micro_batches(1)
+    logps = backend.logprobs(mbs1)
+    expected = {1: backend.train_step(mbs1, _loss_fn(mbs1))}
+    after_step1 = {n: w.clone() for n, w in backend.named_weights()}
+    mbs2 = _micro_batches(2)
+    expected[2] = backend.train_step(mbs2, _loss_fn(mbs2))
+    after_step2 = dict(backend.named_weights())
+
+    fsdp_logps = load_file(os.path.join(out, "logps.safetensors"))
+    for i, logp in enumerate(logps):
+        torch.testing.assert_close(fsdp_logps[str(i)], logp, rtol=1e-5, atol=1e-6)
+
+    with open(os.path.join(out, "fsdp.json")) as f:
+        fsdp_metrics = json.load(f)
+    for step in (1, 2):
+        got = fsdp_metrics[str(step)]
+        assert got.keys() == expected[step].keys()
+        for key, value in expected[step].items():
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (step, key)
+
+    # The checkpoint is an ordinary HF directory holding the weights after step 1.
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(os.path.join(out, "ckpt"))
+    for name, param in saved.named_parameters():
+        torch.testing.assert_close(param.detach(), after_step1[name], rtol=1e-5, atol=1e-6)
+
+    fsdp = load_file(os.path.join(out, "fsdp.safetensors"))
+    resumed = load_file(os.path.join(out, "resumed.safetensors"))
+    assert fsdp.keys() == after_step2.keys() == resumed.keys()
+    for name, weight in after_step2.items():
+        torch.testing.assert_close(fsdp[name], weight, rtol=1e-5, atol=1e-6)
+        # Same processes' count, same shards, same optimizer state: bit-for-bit the same step.
+        torch.testing.assert_close(resumed[name], fsdp[name], rtol=0, atol=0)
+    with open(os.path.join(out, "resumed.json")) as f:
+        assert json.load(f)["2"] == pytest.approx(fsdp_metrics["2"], rel=1e-6)
+
+
+def test_layer_finder_names_a_model_without_decoder_layers():
+    with pytest.raises(ValueError, match="Sequential has no decoder layers"):
+        decoder_layers(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+    model = build_tiny_qwen3(SMALL, VOCAB, seed=0)
+    assert decoder_layers(model) == list(model.model.layers)[::-1]

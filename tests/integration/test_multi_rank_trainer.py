@@ -1,0 +1,48 @@
+"""A trainer over several devices: `train.backend: fsdp` with services.trainer_gpus 2 runs the
+async trainer under torchrun, rank 0 leading and rank 1 following (train/ranks.py), FSDP2 over
+gloo on CPU (NCCL on GPUs is the same code), while the weight sync to the rollout engine keeps a
+group of its own. The run must train every group once and stop both ranks. (That two FSDP ranks
+compute what one process does is tests/integration/test_fsdp.py's.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from relax_core.queue import TransferQueue
+from relax_core.services.audit import audit_run
+from relax_core.train.checkpoint import find_resume_checkpoint, read_state
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def test_an_async_run_trains_with_a_two_rank_fsdp_trainer(small_config, workdir):
+    total = 4
+    cfg = small_config(
+        "fsdp.yaml",
+        run_name="fsdp",
+        mode="async",
+        rollout={"max_staleness": 1},
+        train={"total_steps": total, "checkpoint_every": 2, "backend": "fsdp"},
+        services={"trainer_threads": 1, "poll_s": 0.002, "heartbeat_s": 0.2, "trainer_gpus": 2},
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "relax_core.services.run", "--cfg", cfg],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    final = find_resume_checkpoint(".relax/checkpoints", "fsdp")
+    state = read_state(final)
+    assert state["policy_version"] == total
+    audit = audit_run(TransferQueue(".relax/queue", state["run_id"]), state)
+    assert audit["lost_groups"] == 0 and audit["duplicated_groups"] == 0, audit
+    # Both ranks ran: the second rank's line in the trainer's log says how many steps it took.
+    assert "rank 1: stop after" in out.stderr
+    # FSDP's checkpoint: the HF policy (what engines load) and its optimizer state.
+    assert os.path.isfile(os.path.join(final, "model.safetensors"))
+    assert os.path.isfile(os.path.join(final, "optim", "optimizer.pt"))
