@@ -167,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     from relax_core.services.role import role_main
 
     if int(os.environ.get("RANK", "0")) > 0:
-        from relax_core.services.async_trainer import follower_main
+        from relax_core.services.trainer_ranks import main as follow
 
-        return follower_main(argv)
+        return follow(argv)
     return role_main("trainer", serve, argv)
 
 
