@@ -92,6 +92,7 @@ class TorchEngine:
         first_version = self.version
         last_version = torch.full((batch,), first_version, dtype=torch.long)
         prefill = True
+        device = next(self.model.parameters()).device
         routing = routing_of(self.model)
         routes = None  # [B, columns, L, K]: the experts of each column of prompt + response
         if routing is not None:
@@ -101,13 +102,16 @@ class TorchEngine:
             extra = {"media": media} if prefill and media is not None else {}
             with routing.capture() if routing is not None else nullcontext() as captured:
                 logits = self.model(
-                    input_ids=step_ids,
-                    attention_mask=mask,
-                    position_ids=step_pos,
+                    input_ids=step_ids.to(device),
+                    attention_mask=mask.to(device),
+                    position_ids=step_pos.to(device),
                     past_key_values=cache,
                     use_cache=True,
                     **extra,
                 ).logits[:, -1]
+            # Sampling stays on the CPU with the engine's own generator (its state is
+            # checkpointed); on a GPU only the last position's logits come back.
+            logits = logits.to("cpu")
             if captured is not None:  # this forward's tokens are the last columns of `mask`
                 routes[:, mask.shape[1] - step_ids.shape[1] : mask.shape[1]] = captured.tokens(
                     batch

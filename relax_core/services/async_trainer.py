@@ -250,6 +250,7 @@ class AsyncTrainer:
         self.sender = make_sender(cfg, ctx.queue, specs_of(self.model.named_parameters()))
         self.run_dir = os.path.join(cfg.checkpoint.dir, self.state.run_id)
         self._eval = None
+        self._eval_copy = None
         self.reforms = 0
 
     # ---- pieces ------------------------------------------------------------------------
@@ -286,7 +287,8 @@ class AsyncTrainer:
             )
             self._eval = (source, reward, env_runner(cfg, self.model, tok))
         source, reward, env = self._eval
-        engine = TorchEngine(self.model, tok.eos_token_id, tok.pad_token_id, seed=cfg.seed)
+        model = self._eval_model()
+        engine = TorchEngine(model, tok.eos_token_id, tok.pad_token_id, seed=cfg.seed)
         engine.version = self.state.policy_version
         try:
             if env is not None:
@@ -295,7 +297,30 @@ class AsyncTrainer:
                 engine, tok, source, reward, cfg.rollout.max_new_tokens, cfg.data.eval_size
             )
         finally:
-            self.model.train()
+            model.train()
+
+    def _eval_model(self):
+        """The policy to evaluate: the trainer's own model with the torch backend; otherwise a
+        copy on this rank holding the backend's current weights (FSDP2 shards the model across
+        ranks, Megatron keeps weights of its own), gathered from every rank."""
+        if self.cfg.train.backend == "torch":
+            return self.model
+        from relax_core.models.policy import load_policy
+
+        if self._eval_copy is None:
+            self._eval_copy, _ = load_policy(self.ctx.checkpoint, self.cfg.model.dtype)
+        # Megatron converts to transformers' in-memory expert layout (fused) for this copy.
+        layout = {"fused_experts": True} if self.cfg.train.backend == "megatron" else {}
+        weights = {n: t.detach().to("cpu") for n, t in self.backend.named_weights(**layout)}
+        missing, unexpected = self._eval_copy.load_state_dict(weights, strict=False)
+        tied = {"lm_head.weight"} if self._eval_copy.config.tie_word_embeddings else set()
+        if unexpected or set(missing) - tied:
+            raise RuntimeError(
+                f"the {self.cfg.train.backend} backend's weights do not fit the policy to "
+                f"evaluate: missing {sorted(set(missing) - tied)[:5]}, unexpected "
+                f"{sorted(unexpected)[:5]}"
+            )
+        return self._eval_copy
 
     def next_batch(self) -> tuple[pa.Table, float]:
         """Block until a step batch can be formed; returns it and the seconds waited."""

@@ -93,9 +93,11 @@ class LeaderBackend:
     def train_step(self, micro_batches, loss_fn) -> dict[str, float]:
         return self.inner.train_step(micro_batches, loss_fn)
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_weights(self, **layout: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """`layout` (Megatron's fused_experts) only changes how rank 0 names what it gathers,
+        not the collectives, so the other ranks gather as always."""
         self.channel.send(WEIGHTS)
-        yield from self.inner.named_weights()
+        yield from self.inner.named_weights(**layout)
 
     def save(self, directory: str) -> None:
         self.channel.send(SAVE, {"directory": directory})

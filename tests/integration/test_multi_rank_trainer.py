@@ -26,7 +26,8 @@ def test_an_async_run_trains_with_a_two_rank_fsdp_trainer(small_config, workdir)
         run_name="fsdp",
         mode="async",
         rollout={"max_staleness": 1},
-        train={"total_steps": total, "checkpoint_every": 2, "backend": "fsdp"},
+        # Mid-run evals gather the sharded weights from both ranks into a copy to generate with.
+        train={"total_steps": total, "checkpoint_every": 2, "eval_every": 2, "backend": "fsdp"},
         services={"trainer_threads": 1, "poll_s": 0.002, "heartbeat_s": 0.2, "trainer_gpus": 2},
     )
     out = subprocess.run(
