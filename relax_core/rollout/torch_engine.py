@@ -84,7 +84,7 @@ class TorchEngine:
             mask[i, width - len(p) :] = 1
         positions = self._positions(input_ids, mask, media)
         cache = DynamicCache()
-        tokens = torch.empty((batch, params.max_new_tokens), dtype=torch.long)
+        tokens = torch.full((batch, params.max_new_tokens), self.pad_token_id, dtype=torch.long)
         logprobs = torch.zeros((batch, params.max_new_tokens))
         done = torch.zeros(batch, dtype=torch.bool)
         lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long)
@@ -98,6 +98,12 @@ class TorchEngine:
         if routing is not None:
             shape = (batch, width + params.max_new_tokens, routing.num_layers, routing.top_k)
             routes = torch.zeros(shape, dtype=torch.int32)
+        # Rows still generating, as indices into the batch: finished rows leave the decode batch
+        # (and the KV cache) once they are a quarter of it, so a few long answers do not drag
+        # every finished row through the remaining steps. Not with media, routing capture or
+        # mid-generation weight loads, whose prefill is rebuilt for every row.
+        rows = torch.arange(batch)
+        compact = media is None and routing is None and self.weight_poll is None
         for t in range(params.max_new_tokens):
             extra = {"media": media} if prefill and media is not None else {}
             with routing.capture() if routing is not None else nullcontext() as captured:
@@ -120,17 +126,28 @@ class TorchEngine:
             tok, lp = sample_tokens(
                 logits, params.temperature, params.top_p, params.greedy, self.generator
             )
-            last_version[~done] = self.version
-            tok = tok.masked_fill(done, self.pad_token_id)
-            tokens[:, t], logprobs[:, t] = tok, lp
-            newly_done = ~done & (tok == self.eos_token_id)
+            live = ~done[rows]
+            last_version[rows[live]] = self.version
+            tok = tok.masked_fill(~live, self.pad_token_id)
+            tokens[rows, t], logprobs[rows, t] = tok, lp
+            newly_done = rows[live & (tok == self.eos_token_id)]
             lengths[newly_done] = t + 1
-            done |= newly_done
+            done[newly_done] = True
             if bool(done.all()):
                 break
             step_ids = tok.unsqueeze(-1)
             step_pos = step_pos[..., -1:] + 1
-            mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], dim=-1)
+            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=-1)
+            finished = done[rows]
+            if compact and int(finished.sum()) * 4 >= len(rows):
+                keep = (~finished).nonzero().squeeze(1)
+                cache.batch_select_indices(keep.to(device))
+                rows, step_ids, step_pos, mask = (
+                    rows[keep],
+                    step_ids[keep],
+                    step_pos[keep],
+                    mask[keep],
+                )
             if self.weight_poll is not None and self.weight_poll():
                 # The cache holds keys/values of the old weights: one prefill rebuilds it.
                 step_ids = torch.cat([input_ids, tokens[:, : t + 1]], dim=-1)

@@ -153,3 +153,21 @@ def test_without_an_update_completions_name_one_version(engine, tok):
     engine.weight_poll = lambda: False
     outs = engine.generate(_ids(tok, ["1+2="]), SamplingParams(max_new_tokens=4))
     assert outs[0].policy_version == 0 and outs[0].policy_version_max is None
+
+
+def test_rows_leaving_the_decode_batch_keep_every_logprob_right(tok):
+    """Finished rows leave the decode batch and its KV cache once they are a quarter of it;
+    the rows that go on must still see exactly their own prefix."""
+    model = build_tiny_qwen3(SMALL, len(tok), seed=3)
+    engine = TorchEngine(model, tok.eos_token_id, tok.pad_token_id, seed=2)
+    prompts = _ids(tok, ["1+2=", "12+34=", "99+99=", "7=", "5*5=", "100-1="] * 20)
+    # Temperature 4 spreads the mass: EOS (1 of 79 tokens) ends rows at scattered steps.
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=40, temperature=4.0))
+    stopped = sum(c.finish_reason == "stop" for c in outs)
+    assert len(prompts) // 4 <= stopped < len(prompts)  # the batch shrank, and rows went on
+    for p, c in zip(prompts, outs, strict=True):
+        ids = torch.tensor([p + c.response_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0] / 4.0, -1)
+        expected = [logp[len(p) - 1 + j, t].item() for j, t in enumerate(c.response_ids)]
+        assert c.logprobs == pytest.approx(expected, abs=1e-4)
