@@ -9,11 +9,16 @@ from relax_core.queue.queue import TransferQueue
 from relax_core.queue.store import ObjectStore, RetryPolicy, probe_create_if_absent
 
 
-def open_queue(cfg: QueueConfig, run_id: str, *, multi_writer: bool = True) -> TransferQueue:
+def open_queue(
+    cfg: QueueConfig, run_id: str, *, multi_writer: bool = True, durable: bool = True
+) -> TransferQueue:
+    """`durable=False`: no fsync on local disk (writes survive a crash of the process, not of
+    the machine)."""
     return TransferQueue(
         cfg.root,
         run_id,
         cfg.storage_options(),
+        durable=durable,
         multi_writer=multi_writer,
         retry=RetryPolicy(attempts=cfg.retry_attempts),
     )
