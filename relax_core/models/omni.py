@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from relax_core.multimodal.features import MediaInput, patchify
+from relax_core.multimodal.features import MediaInput, media_input, patchify
 
 MEDIA_TOKEN = "<media>"
 ENCODERS_VERSION = 2
@@ -57,6 +57,14 @@ class OmniSpec:
     @property
     def image_tokens(self) -> int:
         return (self.image_size // self.patch) ** 2
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        return ("image", "audio", "video")
+
+    def media_input(self, kind: str, decoded: Any) -> MediaInput:
+        """One decoded medium -> its encoder input (multimodal/inputs.MediaEncoding)."""
+        return media_input(kind, decoded, self)
 
     def tokens_for(self, kind: str) -> int:
         """Placeholders one medium of `kind` takes in the prompt."""

@@ -256,7 +256,7 @@ def demonstration_examples(cfg: PolicySpec, model, tokenizer, rows, prompt_ids, 
     from relax_core.envs import DEMONSTRATIONS, resolve_env
     from relax_core.rollout.demonstrations import demonstration_episode
     from relax_core.rollout.multiturn import EpisodeLimits
-    from relax_core.rollout.observations import ObservationRenderer, OmniObservationMedia
+    from relax_core.rollout.observations import ObservationRenderer
 
     v = cfg.env
     if v.name not in DEMONSTRATIONS:
@@ -269,9 +269,10 @@ def demonstration_examples(cfg: PolicySpec, model, tokenizer, rows, prompt_ids, 
     observed = None
     if isinstance(model, TinyOmni):
         from relax_core.multimodal.inputs import MediaResolver
+        from relax_core.multimodal.placeholders import OmniPlaceholders
 
         resolver = MediaResolver(model.spec, media_limits(cfg.data))
-        observed = OmniObservationMedia(resolver, model.spec, model.media_token_id)
+        observed = OmniPlaceholders(resolver, model.spec, model.media_token_id)
     render = ObservationRenderer(tokenizer, cfg.data.template, observed)
     examples, kept_media = [], []
     for i, (row, ids) in enumerate(zip(rows, prompt_ids, strict=True)):

@@ -1,10 +1,12 @@
-"""From a row's `media` references to an omni policy's encoder inputs, for rollout and trainer.
+"""From a row's `media` references to a multimodal policy's encoder inputs, for rollout and trainer.
 
 Rows travel through the queue with media by reference (`{kind, uri, bytes}`); every role that
 runs the policy rebuilds the inputs from those references with a `MediaResolver`:
 read (media.read_bytes) -> decode with the run's limits (media.decode_*) -> encoder input
-(features.media_input). Decoded inputs are kept in a small LRU cache keyed by the reference, so a
-group's samples (and a prompt seen again) decode their media once.
+(`MediaEncoding.media_input`). The encoding is the one thing that differs between policies: the
+tiny omni policy's `OmniSpec` (features.media_input) or a Qwen policy's `QwenMediaProcessor`
+(multimodal/qwen/processing.py). Decoded inputs are kept in a small LRU cache keyed by the
+reference, so a group's samples (and a prompt seen again) decode their media once.
 
 `split_by_media` sorts prompt rows into usable ones and quarantined ones, each with the reason
 a user reads in the quarantine record; a bad medium costs its row, never the run.
@@ -15,9 +17,8 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from relax_core.multimodal.features import media_input
 from relax_core.multimodal.media import (
     MediaError,
     MediaLimits,
@@ -31,18 +32,43 @@ from relax_core.multimodal.media import (
 )
 
 
+class MediaEncoding(Protocol):
+    """How a policy's encoders take decoded media (models/omni.OmniSpec,
+    multimodal/qwen.QwenMediaProcessor)."""
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        """The media kinds the policy reads."""
+        ...
+
+    @property
+    def audio_rate(self) -> int:
+        """Sample rate (Hz) audio is decoded at."""
+        ...
+
+    @property
+    def video_fps(self) -> float:
+        """Rate videos are sampled at (frames per second)."""
+        ...
+
+    def media_input(self, kind: str, decoded: Any) -> Any:
+        """One decoded medium (PIL image, mono samples, uint8 frames [T, H, W, 3]) -> the input
+        the policy takes for it; ValueError for a medium it cannot take."""
+        ...
+
+
 class MediaResolver:
     """Encoder inputs of media references, decoded once per reference (LRU of `cache_size`)."""
 
     def __init__(
         self,
-        spec,
+        encoding: MediaEncoding,
         limits: MediaLimits,
         base_dir: str = "",
         storage_options: Mapping[str, Any] | None = None,
         cache_size: int = 256,
     ) -> None:
-        self.spec, self.limits = spec, limits
+        self.encoding, self.limits = encoding, limits
         self.base_dir, self.storage_options = base_dir, dict(storage_options or {})
         self.cache_size = cache_size
         self._cache: OrderedDict[str, Any] = OrderedDict()
@@ -59,16 +85,18 @@ class MediaResolver:
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        kind = item["kind"]
+        kind, enc = item["kind"], self.encoding
+        if kind not in enc.modalities:
+            raise MediaError(item, f"the policy reads {', '.join(enc.modalities)}, not {kind}")
         uri = str(item.get("uri") or "")
         if kind == "video" and uri.endswith("/") and not item.get("bytes"):
             decoded = decode_frame_folder(
                 resolve_uri(uri, self.base_dir),
                 self.limits,
-                self.spec.video_fps,
+                enc.video_fps,
                 # The row schema carries no frame rate: a folder's frames are taken to be
-                # spec.video_fps apart, the same in every role that reads the row.
-                source_fps=self.spec.video_fps,
+                # video_fps apart, the same in every role that reads the row.
+                source_fps=enc.video_fps,
                 item=item,
                 storage_options=self.storage_options,
             )
@@ -77,10 +105,15 @@ class MediaResolver:
             if kind == "image":
                 decoded = decode_image(data, self.limits, item)
             elif kind == "audio":
-                decoded = decode_audio(data, self.limits, self.spec.audio_rate, item)
+                decoded = decode_audio(data, self.limits, enc.audio_rate, item)
             else:
-                decoded = decode_video(data, self.limits, self.spec.video_fps, item)
-        value = media_input(kind, decoded, self.spec)
+                decoded = decode_video(data, self.limits, enc.video_fps, item)
+        try:
+            value = enc.media_input(kind, decoded)
+        except MediaError:
+            raise
+        except ValueError as err:  # e.g. an image too small or too narrow for the patch grid
+            raise MediaError(item, f"the policy cannot take it ({err})") from None
         self.decoded += 1
         self._cache[key] = value
         if len(self._cache) > self.cache_size:

@@ -10,18 +10,19 @@ Two formats, as for prompts (data/templates.py):
   model's turn ended with that token, and the observation continues from it.
 
 Media (an env that shows an image): the message's `media` items get the policy's placeholder
-tokens at the start of its content, and their encoder inputs go with the episode's next model
-turns. A text policy cannot see media: rendering such a message raises ValueError, which ends
+tokens at the start of its content (multimodal/placeholders.py), and their encoder inputs go with
+the episode's next model turns. A text policy cannot see media: rendering such a message raises ValueError, which ends
 that episode as an env error.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from relax_core.data.templates import TEMPLATES
+from relax_core.multimodal.placeholders import MediaPlaceholders
 
 PLAIN_FORMAT = "\n{role}: {content}\n"
 # Marks where media placeholders go; the text is split there before tokenizing, so the marker
@@ -34,32 +35,6 @@ _ANCHORS: tuple[tuple[dict[str, str], ...], ...] = (
     ({"role": "system", "content": "x"},),
     ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}),
 )
-
-
-class ObservationMedia(Protocol):
-    """How a multimodal policy takes media that arrive in observations."""
-
-    def placeholder_ids(self, items: Sequence[Mapping[str, Any]]) -> list[int]:
-        """The placeholder token ids the items take in the text, in order."""
-        ...
-
-    def inputs(self, items: Sequence[Mapping[str, Any]]) -> list:
-        """The items' encoder inputs, in order (what the engine's `media=` carries)."""
-        ...
-
-
-class OmniObservationMedia:
-    """ObservationMedia for the tiny omni policy (models/omni.py): `spec.tokens_for(kind)`
-    placeholders per item, inputs decoded by a multimodal.inputs.MediaResolver."""
-
-    def __init__(self, resolver: Any, spec: Any, media_token_id: int) -> None:
-        self.resolver, self.spec, self.media_token_id = resolver, spec, media_token_id
-
-    def placeholder_ids(self, items: Sequence[Mapping[str, Any]]) -> list[int]:
-        return [self.media_token_id] * sum(self.spec.tokens_for(item["kind"]) for item in items)
-
-    def inputs(self, items: Sequence[Mapping[str, Any]]) -> list:
-        return self.resolver.inputs(items)
 
 
 @dataclass(frozen=True)
@@ -76,7 +51,7 @@ class ObservationRenderer:
     """Observation message -> token ids, in the run's prompt template ('plain' or 'chat')."""
 
     def __init__(
-        self, tokenizer: Any, template: str = "plain", media: ObservationMedia | None = None
+        self, tokenizer: Any, template: str = "plain", media: MediaPlaceholders | None = None
     ) -> None:
         if template not in TEMPLATES:
             raise ValueError(f"unknown prompt template {template!r}; choose one of {TEMPLATES}")

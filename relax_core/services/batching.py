@@ -24,8 +24,8 @@ def table_micro_batches(
     `extras` names per-token list columns (e.g. 'advantages') carried along as [B, R] tensors;
     `computed` adds per-token values that are not columns (one list per row, in table order).
     Returns (row indices, micro-batch) pairs so per-row results can be put back in table order.
-    `resolver` (multimodal.inputs.MediaResolver, an omni policy) rebuilds each row's encoder
-    inputs from its `media` references: decoded media never travel in the queue.
+    `resolver` (multimodal.inputs.MediaResolver of a multimodal policy) rebuilds each row's
+    encoder inputs from its `media` references: decoded media never travel in the queue.
     `routed_experts` (routing replay) carries each row's `routed_experts` column along; a row
     without them, or with other than one entry per token but the last, is a ValueError naming it.
     """

@@ -20,7 +20,6 @@ import time
 
 import pyarrow as pa
 
-from relax_core.models.omni import TinyOmni
 from relax_core.queue import rows_to_table
 from relax_core.rollout.engine import SamplingParams
 from relax_core.services.advantages import add_advantages
@@ -122,9 +121,12 @@ class ColocateController:
             s.engine.sleep()
         table = self._consume("rollout")
         t2 = time.perf_counter()
-        frozen = [(s.ref_model, "ref_logprobs"), (s.teacher_model, "teacher_logprobs")]
-        frozen = [(model, column) for model, column in frozen if model is not None]
-        for model, column in frozen:
+        frozen = [
+            (s.ref_model, "ref_logprobs", s.media),  # a copy of the policy: the same media
+            (s.teacher_model, "teacher_logprobs", s.teacher_media),
+        ]
+        frozen = [(model, column, media) for model, column, media in frozen if model is not None]
+        for model, column, media in frozen:
             table = add_ref_logprobs(
                 model,
                 table,
@@ -132,7 +134,7 @@ class ColocateController:
                 cfg.train.micro_batch_tokens,
                 cfg.rollout.temperature,
                 column,
-                s.media if isinstance(model, TinyOmni) else None,
+                media,
             )
         if frozen:
             s.queue.put("ref", table, {"policy_version": v})

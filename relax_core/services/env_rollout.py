@@ -160,17 +160,12 @@ class EnvRunner:
 
 def env_runner(cfg: RunConfig, model: Any, tokenizer: Any) -> EnvRunner | None:
     """The run's EnvRunner; None for a single-turn run. `model`: the policy when it is in this
-    process (an omni policy shows env media to its encoders), else None."""
+    process (a multimodal policy shows env media to its encoders), else None."""
     if not cfg.env.name:
         return None
-    media = None
-    from relax_core.models.omni import TinyOmni
+    from relax_core.services.media import placeholders_for
 
-    if isinstance(model, TinyOmni):
-        from relax_core.rollout.observations import OmniObservationMedia
-        from relax_core.services.media import resolver_for
-
-        media = OmniObservationMedia(resolver_for(cfg, model), model.spec, model.media_token_id)
+    media = placeholders_for(cfg, model)
     v = cfg.env
     return EnvRunner(
         resolve_env(v.name, **v.kwargs),

@@ -1,7 +1,9 @@
 """Prompt source for the rollout role: dataset rows + resumable cursor + tokenized prompt cache.
 
-With `media` (an omni policy) a prompt starts with its media's placeholders and an item carries
-the media's encoder inputs (services/media.py builds such sources)."""
+With `media` (a multimodal policy; multimodal/placeholders.py) a prompt shows its row's media at
+the start of the user's message: the policy's placeholder tokens go where the prompt text starts
+(the 'plain' template: the very start; 'chat': after the template's user-turn header), and an
+item carries the media's encoder inputs. services/media.py builds such sources."""
 
 from __future__ import annotations
 
@@ -10,6 +12,11 @@ from typing import Any
 
 from relax_core.data.cursor import DatasetCursor, PromptSampler
 from relax_core.data.templates import render_prompt
+from relax_core.multimodal.placeholders import MediaPlaceholders
+
+# Marks where the prompt text starts in the rendered template; the text is split there before
+# tokenizing, so the marker itself never becomes tokens.
+_MEDIA_MARK = "\x00relax-media\x00"
 
 
 @dataclass(frozen=True)
@@ -19,18 +26,7 @@ class PromptItem:
     row: dict[str, Any]
     prompt_ids: list[int]
     media: list | None = None
-    """Encoder inputs of the row's media (an omni policy), in order; None for text."""
-
-
-@dataclass(frozen=True)
-class PromptMedia:
-    """How an omni policy sees a row's media: placeholders in the prompt, encoder inputs."""
-
-    resolver: Any
-    """multimodal.inputs.MediaResolver."""
-    spec: Any
-    """models.omni.OmniSpec."""
-    media_token_id: int
+    """Encoder inputs of the row's media (a multimodal policy), in order; None for text."""
 
 
 class PromptSource:
@@ -44,7 +40,7 @@ class PromptSource:
         system_prompt: str,
         seed: int,
         shuffle: bool,
-        media: PromptMedia | None = None,
+        media: MediaPlaceholders | None = None,
     ) -> None:
         self.rows = rows
         self.media = media
@@ -56,23 +52,29 @@ class PromptSource:
 
     def prompt_ids(self, index: int) -> list[int]:
         if index not in self._ids:
-            text = render_prompt(
-                self.rows[index]["prompt"], self.template, self.tokenizer, self.system_prompt
-            )
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if self.media is not None:
-                from relax_core.models.omni import media_placeholders
-
-                m = self.media
-                ids = media_placeholders(self.rows[index], m.spec, m.media_token_id) + ids
+            row = self.rows[index]
+            if self.media is None or not row.get("media"):
+                ids = self._tokens(self._render(row["prompt"]))
+            else:
+                if _MEDIA_MARK in row["prompt"]:
+                    raise ValueError(f"prompt {index} contains a reserved marker")
+                before, after = self._render(_MEDIA_MARK + row["prompt"]).split(_MEDIA_MARK)
+                media = self.media.placeholder_ids(row["media"])
+                ids = self._tokens(before) + media + self._tokens(after)
             self._ids[index] = ids
         return self._ids[index]
+
+    def _render(self, prompt: str) -> str:
+        return render_prompt(prompt, self.template, self.tokenizer, self.system_prompt)
+
+    def _tokens(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
     def media_inputs(self, index: int) -> list | None:
         """Encoder inputs of row `index`'s media (decoded once, cached by the resolver)."""
         if self.media is None:
             return None
-        return self.media.resolver.inputs(self.rows[index].get("media"))
+        return self.media.inputs(self.rows[index].get("media"))
 
     def take(self, cursor: DatasetCursor, n: int) -> tuple[list[PromptItem], DatasetCursor]:
         picks, cursor = self.sampler.take(cursor, n)

@@ -57,9 +57,11 @@ def serve(ctx) -> None:
     if cfg.algorithm.distill_coef > 0:
         teacher, _ = load_teacher(cfg.algorithm.teacher, tokenizer, cfg.model.dtype)
         frozen.append((teacher, "teacher_logprobs"))
+    # One resolver per model for the life of the role: its cache spans tables.
+    frozen = [(m, column, resolver_for(cfg, m)) for m, column in frozen]
 
     def transform(table: pa.Table) -> pa.Table:
-        for m, column in frozen:
+        for m, column, resolver in frozen:
             table = add_ref_logprobs(
                 m,
                 table,
@@ -67,7 +69,7 @@ def serve(ctx) -> None:
                 cfg.train.micro_batch_tokens,
                 cfg.rollout.temperature,
                 column,
-                resolver_for(cfg, m),
+                resolver,
             )
         return table
 

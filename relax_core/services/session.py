@@ -86,10 +86,17 @@ class RunSession:
             dtype=cfg.model.dtype,
             seed=cfg.seed,
         )
-        # Colocate is the only writer of its queue; async roles write concurrently.
-        self.queue = open_queue(cfg.queue, state.run_id, multi_writer=cfg.mode != "colocate")
+        # Colocate is the only writer of its queue; async roles write concurrently. Colocate
+        # reads each entry back at once, and a resume skips what was written after its
+        # checkpoint (fsynced): an fsync per entry would buy nothing there.
+        colocate = cfg.mode == "colocate"
+        self.queue = open_queue(
+            cfg.queue, state.run_id, multi_writer=not colocate, durable=not colocate
+        )
         self.media = resolver_for(cfg, self.model)
-        """Rebuilds queue rows' encoder inputs (an omni policy); None for text."""
+        """Rebuilds queue rows' encoder inputs (a multimodal policy); None for text."""
+        self.teacher_media = resolver_for(cfg, self.teacher_model)
+        """The same for the distillation teacher (its own encoders); None for text or none."""
         self.train_prompts = prompt_source(cfg, "train", self.model, self.tokenizer, self.queue)
         self.eval_prompts = prompt_source(cfg, "eval", self.model, self.tokenizer, self.queue)
         self.env = env_runner(cfg, self.model, self.tokenizer)

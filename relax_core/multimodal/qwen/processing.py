@@ -125,9 +125,30 @@ class QwenMediaProcessor:
             raise ValueError(f"{family.kind} videos need the tokenizer to write frame timestamps")
 
     @property
+    def modalities(self) -> tuple[str, ...]:
+        """The media kinds the model reads."""
+        return self.family.modalities
+
+    @property
     def audio_rate(self) -> int:
         """Sample rate (Hz) audio must be decoded at."""
+        if self.feature_extractor is None:
+            raise ValueError(f"{self.family.kind} takes no audio")
         return int(self.feature_extractor.sampling_rate)
+
+    def at_video_fps(self, video_fps: float) -> QwenMediaProcessor:
+        """This processor for videos sampled at `video_fps` (a run's model.video_fps)."""
+        if video_fps == self.video_fps:
+            return self
+        return QwenMediaProcessor(
+            self.family,
+            self.special,
+            self.image_processor,
+            self.feature_extractor,
+            self.tokenizer,
+            video_fps,
+            self.audio_window,
+        )
 
     # ------------------------------------------------------------------ media
     def media_input(self, kind: str, decoded: Any) -> QwenMedia:
