@@ -6,35 +6,17 @@ move to the current CUDA device), so forward checks live in tests/gpu/test_megat
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
 
-import torch.distributed as dist  # noqa: E402
-from megatron.core import parallel_state  # noqa: E402
 
 from relax_core.train.megatron.config import MegatronParallel  # noqa: E402
 from relax_core.train.megatron.convert import hf_to_megatron  # noqa: E402
 from relax_core.train.megatron.logprobs import vocab_parallel_logprobs  # noqa: E402
 from relax_core.train.megatron.model import build_gpt  # noqa: E402
 from tests.unit.test_megatron_convert import dense, moe  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    """World size 1 gloo group with Megatron's model-parallel groups (all of size 1)."""
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def assert_loads_strict(hf_config, hf_state, spec="local"):
@@ -50,15 +32,15 @@ def assert_loads_strict(hf_config, hf_state, spec="local"):
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_dense_weights_load_strict(process_group, tied):
+def test_dense_weights_load_strict(megatron_group, tied):
     assert_loads_strict(*dense(tied))
 
 
-def test_moe_weights_load_strict(process_group):
+def test_moe_weights_load_strict(megatron_group):
     assert_loads_strict(*moe(mlp_only_layers=[1]))
 
 
-def test_vocab_parallel_logprobs_match_log_softmax(process_group):
+def test_vocab_parallel_logprobs_match_log_softmax(megatron_group):
     torch.manual_seed(0)
     logits = torch.randn(2, 3, 11, requires_grad=True)
     targets = torch.randint(0, 11, (2, 3))

@@ -7,8 +7,6 @@ its `routing` on logits computed here (tests/gpu/test_megatron_replay_gpu.py run
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 from transformers import Qwen3MoeConfig
@@ -179,24 +177,6 @@ def test_config_enables_router_replay_only_when_asked():
 # --- against megatron-core's routers (CPU) ---
 
 
-@pytest.fixture(scope="module")
-def process_group():
-    """World size 1 gloo group with Megatron's model-parallel groups (all of size 1)."""
-    pytest.importorskip("megatron.core")
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
 def three_layer_moe() -> Qwen3MoeConfig:
     """Layers 0 dense, 1 and 2 MoE."""
     return Qwen3MoeConfig(
@@ -219,7 +199,7 @@ def build(config: Qwen3MoeConfig, routing_replay: bool = True):
     return model.eval()
 
 
-def test_one_router_replay_per_moe_layer_in_order(process_group):
+def test_one_router_replay_per_moe_layer_in_order(megatron_group):
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     from relax_core.train.megatron.replay import router_replays
@@ -235,7 +215,7 @@ def test_one_router_replay_per_moe_layer_in_order(process_group):
     assert router_replays(build(config, routing_replay=False)) == []
 
 
-def test_replay_forward_routes_to_the_given_experts(process_group):
+def test_replay_forward_routes_to_the_given_experts(megatron_group):
     from relax_core.train.megatron.replay import replaying, router_replays, router_topk_indices
 
     torch.manual_seed(0)
@@ -275,7 +255,7 @@ def test_replay_forward_routes_to_the_given_experts(process_group):
     assert torch.equal(again_map, own_map) and torch.equal(again_probs, own_probs)
 
 
-def test_replay_is_cleared_when_the_forward_raises(process_group):
+def test_replay_is_cleared_when_the_forward_raises(megatron_group):
     from relax_core.train.megatron.replay import replaying, router_replays
 
     model = build(three_layer_moe())
@@ -289,7 +269,7 @@ def test_replay_is_cleared_when_the_forward_raises(process_group):
         replaying(replays, indices[:1]).__enter__()
 
 
-def test_backend_rejects_micro_batches_that_do_not_match_its_routing_replay(process_group):
+def test_backend_rejects_micro_batches_that_do_not_match_its_routing_replay(megatron_group):
     # MegatronBackend.__init__ needs CUDA; its routing step does not, so it is set up by hand
     # here (tests/gpu/test_megatron_replay_gpu.py runs the whole backend).
     from relax_core.train.batch import make_micro_batch

@@ -1,0 +1,26 @@
+"""Fixtures shared by unit test modules."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def megatron_group():
+    """A world-size-1 gloo group with Megatron's model-parallel groups (all of size 1), for
+    building Megatron models on CPU; skipped where megatron-core is not installed."""
+    pytest.importorskip("megatron.core")
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
