@@ -104,17 +104,25 @@ class TorchEngine:
         # mid-generation weight loads, whose prefill is rebuilt for every row.
         rows = torch.arange(batch)
         compact = media is None and routing is None and self.weight_poll is None
+        first = (
+            self._shared_prefill(prompts, input_ids, mask, positions, cache, device)
+            if compact
+            else None
+        )
         for t in range(params.max_new_tokens):
             extra = {"media": media} if prefill and media is not None else {}
             with routing.capture() if routing is not None else nullcontext() as captured:
-                logits = self.model(
-                    input_ids=step_ids.to(device),
-                    attention_mask=mask.to(device),
-                    position_ids=step_pos.to(device),
-                    past_key_values=cache,
-                    use_cache=True,
-                    **extra,
-                ).logits[:, -1]
+                if t == 0 and first is not None:
+                    logits = first
+                else:
+                    logits = self.model(
+                        input_ids=step_ids.to(device),
+                        attention_mask=mask.to(device),
+                        position_ids=step_pos.to(device),
+                        past_key_values=cache,
+                        use_cache=True,
+                        **extra,
+                    ).logits[:, -1]
             # Sampling stays on the CPU with the engine's own generator (its state is
             # checkpointed); on a GPU only the last position's logits come back.
             logits = logits.to("cpu")
@@ -158,6 +166,26 @@ class TorchEngine:
         if routes is not None:
             out = _with_routes(out, routes, [len(p) for p in prompts], width)
         return out
+
+    def _shared_prefill(self, prompts, input_ids, mask, positions, cache, device):
+        """A group's samples repeat their prompt: prefill each distinct prompt once and index
+        its KV cache out to every row (text prompts only, as for row compaction). Returns the
+        first step's logits [B, V], or None (no prompt repeats) to prefill as usual."""
+        index: dict[tuple[int, ...], int] = {}
+        row = [index.setdefault(tuple(p), len(index)) for p in prompts]
+        if len(index) == len(row):
+            return None
+        first = torch.tensor([row.index(g) for g in range(len(index))])
+        logits = self.model(
+            input_ids=input_ids[first].to(device),
+            attention_mask=mask[first].to(device),
+            position_ids=positions[first].to(device),
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[:, -1]
+        rows = torch.tensor(row)
+        cache.batch_select_indices(rows.to(device))
+        return logits[rows.to(logits.device)]
 
     def _positions(self, ids: torch.Tensor, mask: torch.Tensor, media: list | None) -> torch.Tensor:
         """Prefill positions: real tokens counted from 0 (left pads get 0), or the policy's

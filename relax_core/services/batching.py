@@ -52,6 +52,8 @@ def table_micro_batches(
             pad_token_id,
             {name: [values[i] for i in rows] for name, values in extra_cols.items()},
             None if experts is None else [experts[i] for i in rows],
+            # A group's samples repeat their prompt: the backend runs it once (text rows).
+            share_prompts=media is None,
         )
         if media is not None:
             mb = dataclasses.replace(mb, media=[resolver.inputs(media[i]) for i in rows])

@@ -10,6 +10,24 @@ import torch
 
 
 @dataclass(frozen=True)
+class SharedPrompts:
+    """The distinct prompts of a micro-batch whose rows repeat them (a GRPO group's samples):
+    the prompt runs through the model once and its keys/values serve every row of it.
+
+    ids/mask: [G, P] left-padded distinct prompts; row: [B] which of them each row continues;
+    response_mask: [B, R] the rows' real response tokens (loss-masked ones included).
+    """
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    row: torch.Tensor
+    response_mask: torch.Tensor
+
+    def to(self, device: torch.device) -> SharedPrompts:
+        return SharedPrompts(*(t.to(device, non_blocking=True) for t in dataclasses.astuple(self)))
+
+
+@dataclass(frozen=True)
 class MicroBatch:
     """Prompt+response sequences, right-padded, and per-response-token tensors.
 
@@ -30,6 +48,8 @@ class MicroBatch:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     media: list | None = None
     routed_experts: torch.Tensor | None = None
+    shared: SharedPrompts | None = None
+    """Set when rows repeat prompts (text rows): a backend may run each prompt once."""
 
     @property
     def num_seqs(self) -> int:
@@ -46,7 +66,8 @@ class MicroBatch:
             if isinstance(value := getattr(self, f.name), torch.Tensor)
         }
         extras = {k: v.to(device, non_blocking=True) for k, v in self.extras.items()}
-        return dataclasses.replace(self, **moved, extras=extras)
+        shared = None if self.shared is None else self.shared.to(device)
+        return dataclasses.replace(self, **moved, extras=extras, shared=shared)
 
 
 def pad_2d(rows: Sequence[Sequence[float]], width: int, value: float, dtype: torch.dtype):
@@ -65,6 +86,7 @@ def make_micro_batch(
     pad_token_id: int,
     extras: dict[str, Sequence[Sequence[float]]] | None = None,
     routed_experts: Sequence[Sequence[Sequence[int]]] | None = None,
+    share_prompts: bool = False,
 ) -> MicroBatch:
     if not prompt_ids:
         raise ValueError("cannot build a micro-batch from zero rows")
@@ -79,7 +101,35 @@ def make_micro_batch(
     mask = pad_2d(loss_mask, r_width, 0, torch.float32)
     ext = {k: pad_2d(v, r_width, 0.0, torch.float32) for k, v in (extras or {}).items()}
     experts = None if routed_experts is None else _experts_tensor(routed_experts, seqs, width)
-    return MicroBatch(input_ids, attention, resp, positions, mask, ext, routed_experts=experts)
+    shared = None
+    if share_prompts and experts is None:
+        shared = shared_prompts(prompt_ids, response_ids, pad_token_id, r_width)
+    return MicroBatch(
+        input_ids, attention, resp, positions, mask, ext, routed_experts=experts, shared=shared
+    )
+
+
+def shared_prompts(
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    pad_token_id: int,
+    r_width: int,
+) -> SharedPrompts | None:
+    """The distinct prompts among the rows (first-seen order), or None when none repeats."""
+    index: dict[tuple[int, ...], int] = {}
+    row = [index.setdefault(tuple(p), len(index)) for p in prompt_ids]
+    if len(index) == len(row):
+        return None
+    distinct = list(index)
+    width = max(len(p) for p in distinct)
+    ids = torch.full((len(distinct), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(distinct), width), dtype=torch.long)
+    for g, p in enumerate(distinct):
+        ids[g, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+        mask[g, width - len(p) :] = 1
+    lengths = torch.tensor([len(r) for r in response_ids])
+    response_mask = (torch.arange(r_width) < lengths.unsqueeze(1)).long()
+    return SharedPrompts(ids, mask, torch.tensor(row), response_mask)
 
 
 def _experts_tensor(

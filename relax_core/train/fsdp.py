@@ -15,7 +15,6 @@ caller's (`torch.distributed.init_process_group`: gloo on CPU, nccl on GPU).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Iterator
 
@@ -132,15 +131,7 @@ class FSDPBackend:
         self.inner.before_micro_batch = hook
 
     def _to_device(self, mb: MicroBatch) -> MicroBatch:
-        if self.device.type == "cpu":
-            return mb
-        tensors = {
-            f.name: getattr(mb, f.name).to(self.device, non_blocking=True)
-            for f in dataclasses.fields(mb)
-            if isinstance(getattr(mb, f.name), torch.Tensor)
-        }
-        extras = {k: v.to(self.device, non_blocking=True) for k, v in mb.extras.items()}
-        return dataclasses.replace(mb, **tensors, extras=extras)
+        return mb.to(self.device)
 
     def _rounds(self, micro_batches: list[MicroBatch]) -> int:
         return -(-len(micro_batches) // self.world)

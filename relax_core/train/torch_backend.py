@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Iterator
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from relax_core.config import TrainConfig
 from relax_core.models.routing_replay import attach_routing_replay, routing_of
@@ -44,6 +44,9 @@ def response_logprobs(
 def _response_logprobs(
     model: PreTrainedModel, mb: MicroBatch, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if mb.shared is not None and mb.media is None:
+        hidden = _shared_prompt_hidden(model, mb)
+        return _token_logprobs(model, hidden, mb.response_ids, temperature)
     if mb.media is not None and isinstance(model, MultimodalDecoder):  # M-RoPE positions
         inputs = model.decoder_inputs(mb.input_ids, mb.attention_mask, mb.media)
         hidden = model.get_decoder()(**inputs, attention_mask=mb.attention_mask).last_hidden_state
@@ -56,11 +59,54 @@ def _response_logprobs(
             input_ids=mb.input_ids, attention_mask=mb.attention_mask
         ).last_hidden_state
     index = mb.response_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-    logits = model.get_output_embeddings()(hidden.gather(1, index)).float()
+    return _token_logprobs(model, hidden.gather(1, index), mb.response_ids, temperature)
+
+
+def _token_logprobs(
+    model: PreTrainedModel, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs, entropy) [B, R] of `tokens` [B, R] from the hidden states predicting them."""
+    logits = model.get_output_embeddings()(hidden).float()
     logp_all = torch.log_softmax(logits / temperature, dim=-1)
-    logprobs = logp_all.gather(-1, mb.response_ids.unsqueeze(-1)).squeeze(-1)
+    logprobs = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logprobs, entropy
+
+
+def _shared_prompt_hidden(model: PreTrainedModel, mb: MicroBatch) -> torch.Tensor:
+    """[B, R, d] hidden states predicting each response token, each distinct prompt run once.
+
+    The prompts' forward fills a KV cache that is then indexed out to every row continuing it
+    (the indexing is differentiable: each row's gradient flows back into its prompt's keys and
+    values), and the responses run on top of it. Response token 0 is predicted by the prompt's
+    last hidden state, token t by the response's token t - 1.
+    """
+    sp = mb.shared
+    assert sp is not None
+    decoder = model.get_decoder()
+    cache = DynamicCache()
+    prompt = decoder(
+        input_ids=sp.ids,
+        attention_mask=sp.mask,
+        position_ids=(sp.mask.cumsum(-1) - 1).clamp(min=0),
+        past_key_values=cache,
+        use_cache=True,
+    ).last_hidden_state
+    first = prompt[:, -1][sp.row].unsqueeze(1)  # left-padded: the last column is real
+    width = mb.response_ids.shape[1]
+    if width == 1:
+        return first
+    cache.batch_select_indices(sp.row)
+    prompt_len = sp.mask.sum(-1)[sp.row]
+    steps = torch.arange(width - 1, device=prompt_len.device)
+    rest = decoder(
+        input_ids=mb.response_ids[:, :-1],
+        attention_mask=torch.cat([sp.mask[sp.row], sp.response_mask[:, :-1]], dim=-1),
+        position_ids=prompt_len.unsqueeze(1) + steps,
+        past_key_values=cache,
+        use_cache=True,
+    ).last_hidden_state
+    return torch.cat([first, rest], dim=1)
 
 
 class ResponseScorer(torch.nn.Module):

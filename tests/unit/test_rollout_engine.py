@@ -171,3 +171,13 @@ def test_rows_leaving_the_decode_batch_keep_every_logprob_right(tok):
             logp = torch.log_softmax(model(ids).logits[0] / 4.0, -1)
         expected = [logp[len(p) - 1 + j, t].item() for j, t in enumerate(c.response_ids)]
         assert c.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def test_a_repeated_prompt_is_prefilled_once_and_generates_as_alone(engine, tok):
+    prompts = _ids(tok, ["3+4=", "45+45=", "3+4=", "1=", "45+45=", "3+4="])
+    params = SamplingParams(max_new_tokens=5, greedy=True)
+    together = engine.generate(prompts, params)
+    alone = [engine.generate([p], params)[0] for p in prompts]
+    assert [c.response_ids for c in together] == [c.response_ids for c in alone]
+    for a, b in zip(together, alone, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

@@ -110,3 +110,36 @@ def test_optimizer_state_round_trips(tok, tmp_path):
     restored.train_step([mb], loss_fn)
     for a, b in zip(backend.model.parameters(), restored.model.parameters(), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_whole_sequences(tok):
+    """Rows repeating a prompt (a group's samples) run it once and reuse its keys and values;
+    log-probs, entropies and gradients stay those of each row's whole sequence."""
+    model = build_tiny_qwen3(SMALL, len(tok), seed=0)
+    engine = TorchEngine(copy.deepcopy(model), tok.eos_token_id, tok.pad_token_id, seed=3)
+    texts = ["1+2=", "40+2=", "1+2=", "7*8=", "40+2=", "1+2="]  # 3 distinct, lengths differ
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=6))
+    responses = [c.response_ids for c in outs]
+    masks = [[1] * len(r) for r in responses]
+    masks[2][0] = 0  # a masked token (an env observation) is still context
+
+    def run(share: bool):
+        mb = make_micro_batch(prompts, responses, masks, tok.pad_token_id, share_prompts=share)
+        model.zero_grad()
+        backend = TorchBackend(model, lr=1e-3)
+        logp, entropy = backend._forward(mb)
+        ((logp + entropy) * mb.loss_mask).sum().backward()
+        return mb, logp.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]
+
+    whole, logp_a, ent_a, grads_a = run(False)
+    shared, logp_b, ent_b, grads_b = run(True)
+    assert whole.shared is None and shared.shared is not None
+    assert shared.shared.ids.shape[0] == 3  # each prompt once
+    mask = whole.loss_mask.bool()
+    torch.testing.assert_close(logp_a[mask], logp_b[mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent_a[mask], ent_b[mask], rtol=0, atol=1e-5)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    for i, c in enumerate(outs):  # and they are the engine's
+        assert logp_b[i, : len(c.logprobs)].tolist() == pytest.approx(c.logprobs, abs=1e-4)
