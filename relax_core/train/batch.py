@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 
@@ -71,11 +72,16 @@ class MicroBatch:
 
 
 def pad_2d(rows: Sequence[Sequence[float]], width: int, value: float, dtype: torch.dtype):
-    """[len(rows), width] tensor, each row left-aligned and padded with `value`."""
+    """[len(rows), width] tensor, each row left-aligned and padded with `value`. One tensor is
+    built from all rows' values at once (a tensor per row costs more than the values)."""
     out = torch.full((len(rows), width), value, dtype=dtype)
-    for i, row in enumerate(rows):
-        if len(row):
-            out[i, : len(row)] = torch.as_tensor(row, dtype=dtype)
+    lengths = torch.tensor([len(row) for row in rows], dtype=torch.long)
+    total = int(lengths.sum())
+    if total:
+        flat = torch.tensor(list(chain.from_iterable(rows)), dtype=dtype)
+        row_of = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+        starts = torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+        out[row_of, torch.arange(total) - starts] = flat
     return out
 
 

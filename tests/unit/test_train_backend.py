@@ -143,3 +143,12 @@ def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_whole_sequences(to
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     for i, c in enumerate(outs):  # and they are the engine's
         assert logp_b[i, : len(c.logprobs)].tolist() == pytest.approx(c.logprobs, abs=1e-4)
+
+
+def test_ragged_rows_pad_to_a_left_aligned_block():
+    from relax_core.train.batch import pad_2d
+
+    out = pad_2d([[1, 2, 3], [], [4]], 4, -1, torch.long)
+    assert out.tolist() == [[1, 2, 3, -1], [-1, -1, -1, -1], [4, -1, -1, -1]]
+    assert pad_2d([], 3, 0.0, torch.float32).shape == (0, 3)
+    assert pad_2d([[0.5], [1.5, 2.5]], 2, 0.0, torch.float32).tolist() == [[0.5, 0.0], [1.5, 2.5]]
