@@ -302,6 +302,11 @@ def validate(cfg: RunConfig) -> list[str]:
     r = cfg.rollout
     _choice(e, "rollout.engine", r.engine, ENGINES)
     check_gpu_stacks(e, cfg)
+    if r.engine == "sglang" and MODALITIES.get(m.kind):
+        e.append(
+            f"rollout.engine: 'sglang' sends text token ids; a {m.kind} policy's media "
+            "is not sent to it (image_data/audio_data) in this build; use 'torch'"
+        )
     if r.n_samples_per_prompt < 2:
         e.append("rollout.n_samples_per_prompt: must be >= 2 (GRPO compares responses in a group)")
     _positive(e, "rollout.groups_per_step", r.groups_per_step)

@@ -13,7 +13,6 @@ BACKENDS = ("torch", "fsdp", "megatron")
 PAUSE_MODES = ("retract", "in_place", "abort")
 MEGATRON_KINDS = ("tiny-qwen3", "pretrained")
 """Policies the Megatron backend converts (the Qwen3 family, dense and MoE)."""
-MEDIA_KINDS = ("tiny-omni", "qwen2.5-vl", "qwen3-vl", "qwen2.5-omni", "qwen3-omni")
 
 
 def check_gpu_stacks(e: list[str], cfg: RunConfig) -> None:
@@ -34,11 +33,6 @@ def _check_sglang(e: list[str], cfg: RunConfig) -> None:
         e.append(f"sglang.url: must start with http:// or https://, got {g.url!r}")
     if cfg.mode == "colocate" and g.release_memory and not g.handoff_dir:
         e.append("sglang.handoff_dir: required in colocate mode (weights go through it)")
-    if cfg.model.kind in MEDIA_KINDS:
-        e.append(
-            f"rollout.engine: 'sglang' sends text token ids; a {cfg.model.kind} policy's media "
-            "is not sent to it (image_data/audio_data) in this build; use 'torch'"
-        )
     if cfg.mode == "async" and cfg.services.weight_sync != "broadcast":
         e.append(
             f"services.weight_sync: {cfg.services.weight_sync!r} with rollout.engine 'sglang'; "

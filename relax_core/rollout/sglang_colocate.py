@@ -49,7 +49,6 @@ class ColocatedSGLang:
         self.server = server
         self.released: set[str] = set()
         """Memory tags the server has given back (all of them while the trainer runs)."""
-        self.handoffs = 0
 
     @property
     def version(self) -> int:
@@ -77,12 +76,16 @@ class ColocatedSGLang:
         partial = f"{target}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
-        tensors = {n: t.detach().to("cpu").contiguous() for n, t in named_tensors}
-        save_file(tensors, os.path.join(partial, "model.safetensors"))
-        for name in ("config.json", "generation_config.json"):
-            src = os.path.join(self.policy_dir, name)
-            if os.path.isfile(src):
-                shutil.copy2(src, partial)
+        try:
+            tensors = {n: t.detach().to("cpu").contiguous() for n, t in named_tensors}
+            save_file(tensors, os.path.join(partial, "model.safetensors"))
+            for name in ("config.json", "generation_config.json"):
+                src = os.path.join(self.policy_dir, name)
+                if os.path.isfile(src):
+                    shutil.copy2(src, partial)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)  # a full disk leaves no half version
+            raise
         shutil.rmtree(target, ignore_errors=True)
         os.replace(partial, target)
         try:
@@ -96,7 +99,6 @@ class ColocatedSGLang:
         finally:
             shutil.rmtree(target, ignore_errors=True)  # loaded (or refused): never read again
         self.engine.version = version
-        self.handoffs += 1
 
     def pause(self) -> None:
         pass  # colocate: nothing generates while the trainer's weights arrive

@@ -147,12 +147,6 @@ class SGLangServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
 
-    def __enter__(self) -> SGLangServer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
 
 def publish_policy(checkpoint: str, model_dir: str, version: int) -> None:
     """Copy a checkpoint's policy where a sidecar loads it; READY goes last, so the sidecar never

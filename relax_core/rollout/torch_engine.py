@@ -172,10 +172,14 @@ class TorchEngine:
         its KV cache out to every row (text prompts only, as for row compaction). Returns the
         first step's logits [B, V], or None (no prompt repeats) to prefill as usual."""
         index: dict[tuple[int, ...], int] = {}
-        row = [index.setdefault(tuple(p), len(index)) for p in prompts]
-        if len(index) == len(row):
+        row, firsts = [], []
+        for i, p in enumerate(prompts):
+            row.append(index.setdefault(tuple(p), len(index)))
+            if len(index) > len(firsts):
+                firsts.append(i)
+        if len(firsts) == len(row):
             return None
-        first = torch.tensor([row.index(g) for g in range(len(index))])
+        first = torch.tensor(firsts)
         logits = self.model(
             input_ids=input_ids[first].to(device),
             attention_mask=mask[first].to(device),

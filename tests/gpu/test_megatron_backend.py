@@ -4,13 +4,13 @@ HF names it hands the weight sync are the HF weights, and a checkpoint restores 
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
 
+from relax_core.sync.process_group import free_port  # noqa: E402
 from relax_core.train.batch import make_micro_batch  # noqa: E402
 from relax_core.train.megatron.backend import MegatronBackend  # noqa: E402
 from relax_core.train.megatron.config import MegatronParallel  # noqa: E402
@@ -20,15 +20,9 @@ from tests.unit.test_megatron_convert import dense  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def setup():
-    os.environ.setdefault("MASTER_PORT", _free_port())
+    os.environ.setdefault("MASTER_PORT", str(free_port("127.0.0.1")))
     config, hf_state = dense(tied=False)
     backend = MegatronBackend(
         config, hf_state, MegatronParallel(tp=1), lr=1e-3, dtype="float32", max_sequence_length=64

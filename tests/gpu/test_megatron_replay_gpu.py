@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from relax_core.models.routing_replay import attach_routing_replay  # noqa: E402
+from relax_core.sync.process_group import free_port  # noqa: E402
 from relax_core.train.batch import make_micro_batch  # noqa: E402
 from relax_core.train.megatron.backend import MegatronBackend  # noqa: E402
 from relax_core.train.megatron.config import MegatronParallel  # noqa: E402
@@ -25,17 +25,11 @@ pytestmark = pytest.mark.gpu
 K = 2  # num_experts_per_tok of tests.unit.test_megatron_convert.moe
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def setup():
     from transformers import Qwen3MoeForCausalLM
 
-    os.environ.setdefault("MASTER_PORT", _free_port())
+    os.environ.setdefault("MASTER_PORT", str(free_port("127.0.0.1")))
     config, hf_state = moe(mlp_only_layers=[0])
     config.router_aux_loss_coef = 0.0  # R3 runs train without the load-balancing loss
     # Larger experts, so which experts a token goes to visibly moves its log-probs (at the

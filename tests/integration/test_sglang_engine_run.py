@@ -134,16 +134,20 @@ def _run(cfg: str, timeout: float = 600) -> str:
 
 
 def test_an_async_run_on_sglang_engines_trains_every_group_once(
-    small_config, workdir, sglang_on_path
+    small_config, workdir, sglang_on_path, monkeypatch
 ):
-    total = 6
+    # A generate call of one group takes 0.25 s: the 32 groups keep one worker busy for 8 s,
+    # longer than the other's server takes to start, so both take part however loaded the
+    # machine is when they start.
+    monkeypatch.setenv("RELAX_TEST_SGLANG_DELAY_S", "0.25")
+    total = 8
     cfg = small_config(
         "sg.yaml",
         run_name="sg",
         mode="async",
         rollout={"engine": "sglang", "max_staleness": 1},
         train={"total_steps": total, "checkpoint_every": 500},
-        services={**SERVICES, "rollout_workers": 2},
+        services={**SERVICES, "rollout_workers": 2, "rollout_batch_groups": 1},
         sglang={"start_timeout_s": 120},
     )
     _run(cfg)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 
@@ -15,10 +13,10 @@ def megatron_group():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from relax_core.sync.process_group import free_port
+
     if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port("127.0.0.1")
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     yield

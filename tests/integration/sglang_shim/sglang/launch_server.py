@@ -40,6 +40,9 @@ def main() -> None:
         a.model_path,
         "--weight-version",
         a.weight_version,
+        # A slow server, when a test needs generation to take time.
+        "--generate-delay-s",
+        os.environ.get("RELAX_TEST_SGLANG_DELAY_S", "0"),
     ]
     fake_sglang.main()
 
