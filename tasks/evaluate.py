@@ -1,4 +1,4 @@
-"""Flyte task for evaluating a checkpoint: a thin wrapper over relax_core.services."""
+"""Flyte task for evaluating a checkpoint: a thin wrapper over relax_core.run.evaluate."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def evaluate_checkpoint(
 ) -> EvalSummary:
     """Greedy pass@1, sampled pass@k and mean reward on cfg's eval split of a checkpoint
     directory or a registered model version (exactly one of the two)."""
-    from relax_core.services.evaluate_checkpoint import evaluate_checkpoint as run_eval
+    from relax_core.run.evaluate import evaluate_checkpoint as run_eval
 
     result = run_eval(cfg, checkpoint, k=k, n_samples=samples, model=model)
     print(

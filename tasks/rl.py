@@ -1,4 +1,4 @@
-"""Flyte tasks for a colocate RL run: thin wrappers over relax_core.services.run.
+"""Flyte tasks for a colocate RL run: thin wrappers over relax_core.run.lifecycle.
 
 Each task takes the run config plus a checkpoint path and returns one, so the console shows every
 node, a failed node is retried from the last checkpoint, and the policy preparation is cached.
@@ -28,7 +28,7 @@ from flytekit.extras.accelerators import H100
 
 from relax_core.config import RunConfig, config_to_dict
 from relax_core.models import policy
-from relax_core.models.policy import PolicySpec
+from relax_core.run.prepare import PolicySpec
 from tasks.pods import TRAINER_IMAGE, sglang_rollout_pod
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -78,7 +78,7 @@ def prepare_data(cfg: RunConfig) -> Prepared:
     """Validate everything a run needs before any work starts; returns the config as JSON and the
     train data fingerprint."""
     from relax_core.data.dataset import fingerprint
-    from relax_core.services.run import preflight
+    from relax_core.run.lifecycle import preflight
 
     preflight(cfg)
     cfg_json = json.dumps(config_to_dict(cfg), sort_keys=True)
@@ -109,7 +109,7 @@ def prepare_policy(spec_json: str, cache_dir: str) -> str:
 def policy_spec(cfg_json: str, data_fingerprint: str) -> str:
     """The settings that determine the starting weights, as canonical JSON (the cache key); a
     registry source is pinned to the version it names now."""
-    from relax_core.services.run import policy_spec_for
+    from relax_core.run.lifecycle import policy_spec_for
 
     return policy_spec_for(_cfg(cfg_json), data_fingerprint).to_json()
 
@@ -117,7 +117,7 @@ def policy_spec(cfg_json: str, data_fingerprint: str) -> str:
 @task(**ON_GPU, retries=1, timeout=timedelta(hours=1))
 def start_run(cfg_json: str, policy_dir: str) -> str:
     """New run: held-out eval at step 0 and checkpoint v0. Resume: the checkpoint to continue."""
-    from relax_core.services import run
+    from relax_core.run import run
 
     return run.start_run(_cfg(cfg_json), policy_dir)
 
@@ -133,7 +133,7 @@ def rl_steps(cfg_json: str, checkpoint: str) -> str:
 
     A retry restarts from the checkpoint it was given plus whatever the failed attempt saved.
     """
-    from relax_core.services import run
+    from relax_core.run import run
 
     cfg = _cfg(cfg_json)
     return run.run_steps(cfg, run.newest_checkpoint(checkpoint), cfg.train.steps_per_node)
@@ -148,14 +148,15 @@ def async_local(cfg_json: str, checkpoint: str) -> str:
     """Async mode on one machine: every role as a supervised OS process; returns the final
     checkpoint. (flytekit's local execution runs nodes one after another, so role tasks could
     not run side by side there.)"""
-    from relax_core.services import run
-    from relax_core.services.supervisor import run_async_local
+    from relax_core.ops.supervisor import run_async_local
+    from relax_core.run import run
 
     return run_async_local(_cfg(cfg_json), run.newest_checkpoint(checkpoint))
 
 
 def _serve(role: str, cfg_json: str, checkpoint: str, worker: int = 0) -> None:
-    from relax_core.services.role import run_role, serve_fn
+    from relax_core.roles.service import run_role
+    from relax_core.run.role_services import serve_fn
     from relax_core.train.checkpoint import read_state
 
     run_id = read_state(checkpoint)["run_id"]
@@ -166,7 +167,7 @@ def _serve_ranks(cfg_json: str, checkpoint: str) -> None:
     """The trainer over the pod's GPUs: torchrun, one process per GPU (train/ranks.py)."""
     import subprocess
 
-    from relax_core.services.supervisor import role_launcher
+    from relax_core.ops.processes import role_launcher
     from relax_core.train.checkpoint import read_state
 
     cmd = [*role_launcher(_cfg(cfg_json), "trainer"), "--cfg", cfg_json]
@@ -182,7 +183,7 @@ def _serve_ranks(cfg_json: str, checkpoint: str) -> None:
 def trainer_service(cfg_json: str, checkpoint: str) -> str:
     """Async mode on a cluster: the trainer role; returns the final checkpoint. A retry
     resumes from the newest checkpoint with the exact `ready` position."""
-    from relax_core.services import run
+    from relax_core.run import run
     from relax_core.train.checkpoint import list_checkpoints
 
     start = run.newest_checkpoint(checkpoint)
@@ -246,7 +247,7 @@ def advantages_service(cfg_json: str, checkpoint: str) -> None:
 def finish_run(cfg_json: str, checkpoint: str) -> RunSummary:
     """Final held-out eval, close the MLflow run, print the summary; the run report (curves,
     staleness histogram, time per role, MLflow link) is this task's Flyte Deck."""
-    from relax_core.services import run
+    from relax_core.run import run
 
     cfg = _cfg(cfg_json)
     s = run.finish_run(cfg, checkpoint)

@@ -52,7 +52,7 @@ def async_roles(cfg_json: str, checkpoint: str) -> str:
     """Every role of an async run as its own task, with no edges between them, so a cluster runs
     them in parallel. (Local execution would run them one after another and never finish: use
     `services.launch: processes` there.)"""
-    from relax_core.services.role import stage_chain
+    from relax_core.roles.service import stage_chain
 
     cfg = RunConfig.from_json(cfg_json)
     rollout = sglang_rollout_service if cfg.rollout.engine == "sglang" else rollout_service

@@ -2,6 +2,8 @@
 
 Config names map to functions through the plain dicts below; each policy loss takes one
 ``LossInputs`` and a ``LossSettings`` and returns ``(scalar loss, detached metrics)``.
+
+May import: nothing of relax_core (torch only).
 """
 
 from relax_core.algorithms.advantages import broadcast_to_tokens, grpo_advantages, no_advantages

@@ -1,4 +1,8 @@
-"""Prompt datasets (JSONL/Parquet), the resumable dataset cursor, and prompt rendering."""
+"""Prompt datasets (JSONL/Parquet), the resumable dataset cursor, prompt rendering, and the
+PromptSource that hands the rollout tokenized prompts in dataset order (prompts.py).
+
+May import: config, multimodal.
+"""
 
 from relax_core.data.cursor import DatasetCursor, PromptSampler
 from relax_core.data.dataset import (

@@ -1,5 +1,8 @@
 """Agentic environments: the Env protocol, the loader for a user's 'module:Class', and two
-example envs (a calculator tool, guess-the-number) a tiny CPU model can learn."""
+example envs (a calculator tool, guess-the-number) a tiny CPU model can learn.
+
+May import: config.
+"""
 
 from relax_core.envs.protocol import (
     INFO_CORRECT,

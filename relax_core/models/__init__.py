@@ -1,0 +1,6 @@
+"""Policies: the tiny character-level Qwen3 (tiny.py), the tiny omni policy (omni.py),
+pretrained models from GGUF or HF (pretrained.py), loading any of them from a directory
+(policy.py), and routing replay for MoE routers (routing_replay.py).
+
+May import: config, data, multimodal.
+"""

@@ -18,7 +18,7 @@ from transformers import (
 )
 
 from relax_core.config import ModelConfig
-from relax_core.config_checks import TINY_POSITIONS
+from relax_core.config.checks import TINY_POSITIONS
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 # Digits, arithmetic, the 'Answer:' convention and plain English letters cover the shipped tasks.

@@ -1,5 +1,8 @@
 """Images, audio and video: reading media by reference (media.py) and turning it into model
-inputs (features.py)."""
+inputs (features.py).
+
+May import: config.
+"""
 
 from relax_core.multimodal.media import (
     KINDS,

@@ -1,4 +1,9 @@
-"""TransferQueue: the Arrow row schema and the commit-log data bus between roles."""
+"""TransferQueue: the Arrow row schema and the commit-log data bus between roles, on any fsspec
+storage: commits, claims (leases), staleness admission, quarantine, `relax queue`'s inspection
+(inspect.py) and the exactly-once audit of a finished run (audit.py).
+
+May import: config.
+"""
 
 from relax_core.queue.admission import (
     AdmissionLedger,

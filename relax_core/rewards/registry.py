@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from relax_core.config import RewardConfig
-from relax_core.config_checks import judge_problems
+from relax_core.config.checks import judge_problems
 from relax_core.rewards.choice import choice_reward
 from relax_core.rewards.digits import digits_reward
 from relax_core.rewards.f1 import f1_reward

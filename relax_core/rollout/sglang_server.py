@@ -28,8 +28,8 @@ import sys
 from dataclasses import dataclass
 
 from relax_core.config import SGLangConfig
+from relax_core.net import free_port
 from relax_core.rollout.sglang_engine import SGLangClient, SGLangError, wait_healthy
-from relax_core.sync.process_group import free_port
 
 log = logging.getLogger(__name__)
 

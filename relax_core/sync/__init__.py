@@ -4,10 +4,13 @@
 `BroadcastSender`/`BroadcastReceiver` (a gloo or NCCL group) and
 `ObjectStoreSender`/`ObjectStoreReceiver` (safetensors versions on the run's store). Receivers
 stage complete updates; the engine loop applies one between generate calls with `apply_update`.
+
+May import: config, queue, rollout.
 """
 
 from relax_core.sync.apply import StagingPool, Update, UpdateSlot, UpdateTensors, apply_update
-from relax_core.sync.broadcast import BroadcastSender, rendezvous_path
+from relax_core.sync.broadcast import BroadcastSender
+from relax_core.sync.broadcast_group import rendezvous_path
 from relax_core.sync.broadcast_receiver import BroadcastReceiver
 from relax_core.sync.buckets import (
     Bucket,

@@ -36,10 +36,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import re
 import time
 import uuid
-from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -47,6 +45,23 @@ import torch
 import torch.distributed as dist
 
 from relax_core.queue.store import ObjectStore
+from relax_core.sync.broadcast_group import (
+    END,
+    FORMED,
+    FORMING,
+    STOP,
+    UPDATE,
+    Members,
+    ProtocolError,
+    check_member,
+    describe_layout_row,
+    device_for,
+    layout_check,
+    leave_groups,
+    rendezvous_path,
+    sync_groups,
+    waiting_path,
+)
 from relax_core.sync.buckets import (
     LayoutMismatch,
     NamedTensors,
@@ -58,99 +73,6 @@ from relax_core.sync.buckets import (
     layout_to_json,
     plan_buckets,
 )
-from relax_core.sync.process_group import group_on_store, leave_weight_group
-
-UPDATE, END, STOP = 1, 2, 3
-FORMING, FORMED = "forming", "formed"
-"""Rendezvous record states: receivers join only a group that is still forming."""
-
-
-class ProtocolError(RuntimeError):
-    """The peers disagree about the wire protocol: a bug, never healed by joining again."""
-
-
-_OPS = {UPDATE: "UPDATE", END: "END", STOP: "STOP"}
-_POLL_S = 0.2
-_CONNECT_TRY_S = 5.0
-
-
-def rendezvous_path(group: str) -> str:
-    if not group or "/" in group:
-        raise ValueError(f"weight sync group name must be non-empty without '/', got {group!r}")
-    return f"control/rendezvous/{group}"
-
-
-_MEMBER = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-
-Members = Sequence[str] | Callable[[], Sequence[str]]
-"""Receiver names: fixed, or a function returning the ones wanted now."""
-
-
-def check_member(name: str) -> str:
-    if not isinstance(name, str) or not _MEMBER.fullmatch(name):
-        raise ValueError(
-            f"weight sync member names are 1-128 letters, digits, '.', '_' or '-' (not "
-            f"starting with a punctuation mark), got {name!r}"
-        )
-    return name
-
-
-def waiting_path(group: str, member: str | None = None) -> str:
-    """Where a receiver that waits for a group to join says so (`{member}`: its wait's start)."""
-    base = f"{rendezvous_path(group)}.waiting"
-    return base if member is None else f"{base}/{check_member(member)}"
-
-
-def _device_for(backend: str) -> torch.device:
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    if backend == "gloo":
-        return torch.device("cpu")
-    raise ValueError(f"weight sync backend must be 'gloo' (CPU) or 'nccl' (CUDA), got {backend!r}")
-
-
-def _sync_groups(
-    backend: str,
-    tcp: Any,
-    rank: int,
-    world_size: int,
-    nonce: str,
-    timeout: timedelta,
-    control_timeout: timedelta,
-) -> tuple[Any, Any, torch.device]:
-    """(data group, control group, control device) of one generation, on its own TCP store and
-    named by its nonce, never the default group (a trainer over several GPUs holds that one).
-
-    With NCCL, headers and the layout check travel over a gloo group of their own: a receiver
-    waiting for the next update then blocks a CPU thread instead of keeping an NCCL kernel
-    spinning on the GPU beside the engine's. With gloo one group carries both.
-    """
-    data = group_on_store(backend, tcp, rank, world_size, f"relax-{nonce}", timeout)
-    if backend != "nccl":
-        return data, data, _device_for(backend)
-    control = group_on_store("gloo", tcp, rank, world_size, f"relax-{nonce}-ctrl", control_timeout)
-    return data, control, torch.device("cpu")
-
-
-def _leave(*groups: Any) -> None:
-    for group in dict.fromkeys(g for g in groups if g is not None):
-        leave_weight_group(group)
-
-
-def _layout_check(
-    fingerprint: str, n_tensors: int, bucket_bytes: int, group: Any, device: torch.device
-) -> list[list[int]]:
-    """Every rank's [fingerprint bytes..., n_tensors, bucket_bytes], gathered without pickle."""
-    mine = torch.tensor(
-        [*bytes.fromhex(fingerprint), n_tensors, bucket_bytes], dtype=torch.int64, device=device
-    )
-    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(rows, mine, group=group)
-    return [r.tolist() for r in rows]
-
-
-def _describe_row(row: list[int]) -> str:
-    return f"fingerprint {bytes(row[:32]).hex()[:12]}, {row[32]} tensors, bucket_bytes {row[33]}"
 
 
 class BroadcastSender:
@@ -185,7 +107,7 @@ class BroadcastSender:
         self.backend = backend
         self.host = host
         self.timeout_s = timeout_s
-        self.device = _device_for(backend)
+        self.device = device_for(backend)
         self._nonce = ""
         self._state = "new"  # new -> idle <-> paused -> sent -> idle ... -> destroyed
         self._version: int | None = None
@@ -257,7 +179,7 @@ class BroadcastSender:
         }
         self.store.write_replace(self.path, json.dumps(record).encode())
         try:
-            self._pg, self._ctrl, self._ctrl_device = _sync_groups(
+            self._pg, self._ctrl, self._ctrl_device = sync_groups(
                 self.backend, tcp, 0, self.world_size, self._nonce, timeout, timeout
             )
         except Exception as err:
@@ -267,7 +189,7 @@ class BroadcastSender:
                 f"{', '.join(self.members)} joined within {self.timeout_s:.0f}s (rendezvous at "
                 f"{self.store.url(self.path)}; {type(err).__name__}: {err})"
             ) from err
-        rows = _layout_check(
+        rows = layout_check(
             self.fingerprint, len(self.specs), self.bucket_bytes, self._ctrl, self._ctrl_device
         )
         bad = [rank for rank, row in enumerate(rows) if row != rows[0]]
@@ -278,8 +200,8 @@ class BroadcastSender:
             names = [self.members[rank - 1] for rank in bad]
             raise LayoutMismatch(
                 f"weight sync group {self.group!r}: receiver(s) {names} hold another weight "
-                f"layout than the sender (sender: {_describe_row(rows[0])}; {names[0]}: "
-                f"{_describe_row(rows[bad[0]])}); every receiver must build the trainer's "
+                f"layout than the sender (sender: {describe_layout_row(rows[0])}; {names[0]}: "
+                f"{describe_layout_row(rows[bad[0]])}); every receiver must build the trainer's "
                 "architecture and use its bucket_bytes"
             )
         record["state"] = FORMED
@@ -431,7 +353,7 @@ class BroadcastSender:
         return flat
 
     def _leave_groups(self) -> None:
-        _leave(self._ctrl, self._pg)
+        leave_groups(self._ctrl, self._pg)
         self._pg = self._ctrl = None
 
     def _forget_record(self) -> None:

@@ -20,22 +20,22 @@ import torch.distributed as dist
 
 from relax_core.queue.store import ObjectStore
 from relax_core.sync.apply import StagingPool, Update, UpdateSlot, UpdateTensors
-from relax_core.sync.broadcast import (
-    _CONNECT_TRY_S,
-    _OPS,
-    _POLL_S,
+from relax_core.sync.broadcast_group import (
+    CONNECT_TRY_S,
     END,
     FORMING,
+    OP_NAMES,
+    POLL_S,
     STOP,
     UPDATE,
     ProtocolError,
-    _describe_row,
-    _device_for,
-    _layout_check,
-    _leave,
-    _sync_groups,
     check_member,
+    describe_layout_row,
+    device_for,
+    layout_check,
+    leave_groups,
     rendezvous_path,
+    sync_groups,
     waiting_path,
 )
 from relax_core.sync.buckets import (
@@ -104,14 +104,14 @@ class BroadcastReceiver:
         record, tcp = self._connect(deadline)
         self.rank = int(record["members"][self.member])
         backend = record["backend"]
-        self.device = _device_for(backend)
+        self.device = device_for(backend)
         # CUDA's caching allocator already reuses freed staging; a held free set would only
         # take GPU memory from the engine.
         self._pool = StagingPool(keep=0 if self.device.type == "cuda" else 1)
         tcp.set_timeout(timedelta(seconds=max(1.0, deadline - time.monotonic())))
         idle = timedelta(seconds=self.idle_timeout_s)
         try:
-            self._pg, self._ctrl, self._ctrl_device = _sync_groups(
+            self._pg, self._ctrl, self._ctrl_device = sync_groups(
                 backend,
                 tcp,
                 self.rank,
@@ -132,7 +132,7 @@ class BroadcastReceiver:
         self._nonce = record["nonce"]
         with contextlib.suppress(FileNotFoundError):
             self.store.delete(waiting_path(self.group, self.member))
-        rows = _layout_check(
+        rows = layout_check(
             self.fingerprint, len(self.specs), self.bucket_bytes, self._ctrl, self._ctrl_device
         )
         if any(row != rows[0] for row in rows):
@@ -206,7 +206,7 @@ class BroadcastReceiver:
                     int(record["port"]),
                     int(record["world_size"]),
                     is_master=False,
-                    timeout=timedelta(seconds=max(1.0, min(remaining, _CONNECT_TRY_S))),
+                    timeout=timedelta(seconds=max(1.0, min(remaining, CONNECT_TRY_S))),
                 )
                 return record, tcp
             except RuntimeError as err:
@@ -217,7 +217,7 @@ class BroadcastReceiver:
                     f"{record['addr']}:{record['port']} (from {self.store.url(self.path)}) "
                     f"within {self.timeout_s:.0f}s; last error: {last_error}"
                 )
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
 
     def _read_record(self, deadline: float) -> dict:
         """The record of a group that is forming, names this member, and is not the one this
@@ -242,7 +242,7 @@ class BroadcastReceiver:
                     f"{self.timeout_s:.0f}s; is the trainer (the sender) running, using the same "
                     "queue root and group name, and does it expect this member?"
                 )
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
 
     def _mismatch_message(self, record: dict, rows: list[list[int]]) -> str:
         what = []
@@ -258,7 +258,7 @@ class BroadcastReceiver:
         where = "this receiver" if row_differs else f"receiver rank(s) {bad}"
         return (
             f"weight sync group {self.group!r}: {where} disagree(s) with the sender "
-            f"({'; '.join(what) or _describe_row(rows[bad[0]])}); 'here' is {self.member}, "
+            f"({'; '.join(what) or describe_layout_row(rows[bad[0]])}); 'here' is {self.member}, "
             "'there' the sender; build the trainer's architecture and use its bucket_bytes"
         )
 
@@ -268,7 +268,7 @@ class BroadcastReceiver:
                 torch.cuda.set_device(self.device)
             while not self._receive_until_stop():
                 # The group broke (a peer died): leave it, join the trainer's next generation.
-                self._leave()
+                self.leave_groups()
                 self._join(time.monotonic() + self.idle_timeout_s)
                 self.rejoins += 1
         except BaseException as err:  # surfaced to the engine loop by take()/wait()
@@ -299,13 +299,13 @@ class BroadcastReceiver:
             if replaced is not None:  # never taken: its staging is free
                 self._pool.release(replaced[1])
 
-    def _leave(self) -> None:
+    def leave_groups(self) -> None:
         with contextlib.suppress(Exception):
             self._leave_groups()
         self._joined = False
 
     def _leave_groups(self) -> None:
-        _leave(self._ctrl, self._pg)
+        leave_groups(self._ctrl, self._pg)
         self._pg = self._ctrl = None
 
     def _recv_header(self) -> tuple[int, int, int]:
@@ -317,8 +317,8 @@ class BroadcastReceiver:
     def _expect_header(self, op: int, expected: int, n_buckets: int) -> None:
         if op != expected or n_buckets != len(self.buckets):
             raise ProtocolError(
-                f"weight sync group {self.group!r}: expected a {_OPS[expected]} header for "
-                f"{len(self.buckets)} buckets, got op {_OPS.get(op, op)} for {n_buckets} "
+                f"weight sync group {self.group!r}: expected a {OP_NAMES[expected]} header for "
+                f"{len(self.buckets)} buckets, got op {OP_NAMES.get(op, op)} for {n_buckets} "
                 "(protocol error)"
             )
 

@@ -14,18 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import socket
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def join_weight_group(

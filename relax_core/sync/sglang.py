@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from relax_core.net import free_port
 from relax_core.rollout.sglang_engine import SGLangClient, SGLangEngine, SGLangError
 from relax_core.sync.buckets import (
     Bucket,
@@ -38,7 +39,7 @@ from relax_core.sync.buckets import (
     flatten_into,
     plan_buckets,
 )
-from relax_core.sync.process_group import free_port, join_weight_group, leave_weight_group
+from relax_core.sync.process_group import join_weight_group, leave_weight_group
 
 log = logging.getLogger(__name__)
 

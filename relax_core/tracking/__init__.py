@@ -2,6 +2,8 @@
 
 `MLflowMonitor` is loaded on first use, because importing mlflow takes seconds and a run with
 tracking off (NullMonitor) should not pay for it.
+
+May import: config, data, models, rollout.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from mlflow.tracking import MlflowClient
 
-from relax_core.config_checks import MODEL_URI
+from relax_core.config.checks import MODEL_URI
 
 # A progress bar per artifact download would cut through the run's own progress bar.
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")

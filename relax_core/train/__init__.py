@@ -1,0 +1,8 @@
+"""Training: the TrainBackend protocol (backend.py) and its torch, FSDP2 and Megatron-core
+backends (factory.py picks one), micro-batches from queue tables (batch.py, batching.py),
+checkpoints written whole (checkpoint.py) with the run's resumable state (run_state.py), the step
+loop both modes share (loop.py: log, evaluate, checkpoint), trainer ranks over several GPUs
+(ranks.py) and the supervised warm start (warm_start.py).
+
+May import: algorithms, config, data, models, multimodal, queue, rollout, sync, tracking.
+"""

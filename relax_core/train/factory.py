@@ -74,7 +74,7 @@ def _trainer_group(gpus: int) -> torch.device:
     one torchrun set up for `gpus` ranks, or a group of this process alone."""
     import torch.distributed as dist
 
-    from relax_core.sync.process_group import free_port
+    from relax_core.net import free_port
 
     cuda = torch.cuda.is_available()
     world = int(os.environ.get("WORLD_SIZE", "1"))

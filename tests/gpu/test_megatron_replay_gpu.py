@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from relax_core.models.routing_replay import attach_routing_replay  # noqa: E402
-from relax_core.sync.process_group import free_port  # noqa: E402
+from relax_core.net import free_port  # noqa: E402
 from relax_core.train.batch import make_micro_batch  # noqa: E402
 from relax_core.train.megatron.backend import MegatronBackend  # noqa: E402
 from relax_core.train.megatron.config import MegatronParallel  # noqa: E402

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from relax_core.queue import TransferQueue
-from relax_core.services.audit import audit_run
+from relax_core.queue.audit import audit_run
 from relax_core.train.checkpoint import find_resume_checkpoint, read_state
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration, pytest.mark.slow]
@@ -35,7 +35,7 @@ def sglang_python():
 
 def _run(cfg: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "relax_core.services.run", "--cfg", cfg],
+        [sys.executable, "-m", "relax_core.entrypoints.run", "--cfg", cfg],
         capture_output=True,
         text=True,
         timeout=1800,

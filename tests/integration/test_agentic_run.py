@@ -35,7 +35,7 @@ AGENTIC = {
 
 def _run(cfg: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "relax_core.services.run", "--cfg", cfg],
+        [sys.executable, "-m", "relax_core.entrypoints.run", "--cfg", cfg],
         capture_output=True,
         text=True,
         timeout=600,

@@ -10,7 +10,7 @@ import pytest
 
 from relax_core.config import load_config
 from relax_core.queue import TransferQueue, table_to_rows
-from relax_core.services.run import run
+from relax_core.run.lifecycle import run
 from relax_core.train.checkpoint import find_resume_checkpoint
 
 pytestmark = pytest.mark.integration

@@ -34,7 +34,7 @@ ASYNC = {"mode": "async", "services": {"trainer_threads": 1, "poll_s": 0.002, "h
 
 def _run(cfg_path: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "relax_core.services.run", "--cfg", cfg_path],
+        [sys.executable, "-m", "relax_core.entrypoints.run", "--cfg", cfg_path],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -192,7 +192,7 @@ def _trainer_version(beats: list[dict]) -> int:
 
 
 def test_killed_roles_restart_in_place_and_no_group_is_lost_or_trained_twice(small_config, workdir):
-    from relax_core.services.audit import audit_run
+    from relax_core.queue.audit import audit_run
 
     cfg = small_config(
         "k.yaml",

@@ -24,7 +24,7 @@ STEPS = 24
 def _run(cfg_path: str, env_extra: dict | None = None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     return subprocess.Popen(
-        [sys.executable, "-m", "relax_core.services.run", "--cfg", cfg_path],
+        [sys.executable, "-m", "relax_core.entrypoints.run", "--cfg", cfg_path],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from relax_core.config import load_config, replace
-from relax_core.services.run import run
+from relax_core.run.lifecycle import run
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

@@ -17,10 +17,10 @@ import time
 
 import pytest
 
+from relax_core.ops.scale_client import ScaleApiError, ScaleClient
 from relax_core.queue import TransferQueue
+from relax_core.queue.audit import audit_run
 from relax_core.rollout.sglang_engine import SGLangClient, wait_healthy
-from relax_core.services.audit import audit_run
-from relax_core.services.scale_client import ScaleApiError, ScaleClient
 from relax_core.train.checkpoint import find_resume_checkpoint, read_state
 from tests.s3servers import free_ports
 
@@ -45,7 +45,7 @@ def _wait(what: str, check, proc: subprocess.Popen, timeout: float = 300.0):
 def _start_run(cfg: str):
     """The run as a process, once its scaling API is up: (process, API file, queue, client)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "relax_core.services.run", "--cfg", cfg],
+        [sys.executable, "-m", "relax_core.entrypoints.run", "--cfg", cfg],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

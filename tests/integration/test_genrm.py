@@ -24,7 +24,7 @@ from relax_core.rewards.genrm import GenRMJudge
 from relax_core.rewards.math import math_reward
 from relax_core.rewards.registry import build_reward
 from relax_core.rollout.torch_engine import TorchEngine
-from relax_core.services.run import run
+from relax_core.run.lifecycle import run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from relax_core.queue import TransferQueue
-from relax_core.services.audit import audit_run
+from relax_core.queue.audit import audit_run
 from relax_core.train.checkpoint import find_resume_checkpoint, read_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -31,7 +31,7 @@ def test_an_async_run_trains_with_a_two_rank_fsdp_trainer(small_config, workdir)
         services={"trainer_threads": 1, "poll_s": 0.002, "heartbeat_s": 0.2, "trainer_gpus": 2},
     )
     out = subprocess.run(
-        [sys.executable, "-m", "relax_core.services.run", "--cfg", cfg],
+        [sys.executable, "-m", "relax_core.entrypoints.run", "--cfg", cfg],
         capture_output=True,
         text=True,
         timeout=900,

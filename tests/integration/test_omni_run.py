@@ -50,7 +50,7 @@ def _dataset(workdir):
 
 def _run(cfg: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "relax_core.services.run", "--cfg", cfg],
+        [sys.executable, "-m", "relax_core.entrypoints.run", "--cfg", cfg],
         capture_output=True,
         text=True,
         timeout=900,

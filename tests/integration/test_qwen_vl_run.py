@@ -50,7 +50,7 @@ def test_a_qwen_vl_run_trains_on_image_rows(small_config, workdir):
     model_cfg = {"kind": "qwen2.5-vl", "source": str(source), "video_fps": 4.0}
     cfg = small_config("vl.yaml", run_name="vl", model=model_cfg, **QWEN_VL)
     proc = subprocess.run(
-        [sys.executable, "-m", "relax_core.services.run", "--cfg", cfg],
+        [sys.executable, "-m", "relax_core.entrypoints.run", "--cfg", cfg],
         capture_output=True,
         text=True,
         timeout=300,

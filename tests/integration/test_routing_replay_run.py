@@ -15,7 +15,7 @@ from relax_core.config import load_config
 from relax_core.queue import TransferQueue, table_to_rows
 from relax_core.rollout.engine import SamplingParams
 from relax_core.rollout.sglang_engine import SGLangClient, SGLangEngine, SGLangError
-from relax_core.services.run import run
+from relax_core.run.lifecycle import run
 from relax_core.train.checkpoint import find_resume_checkpoint, read_state
 from tests.integration.fake_sglang import FakeSGLang, serve
 from tests.s3servers import free_ports
@@ -61,7 +61,7 @@ def test_async_roles_record_and_replay_routed_experts(small_config, workdir):
         services={"trainer_threads": 1, "poll_s": 0.002, "heartbeat_s": 0.2, "actor_fwd": True},
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "relax_core.services.run", "--cfg", path],
+        [sys.executable, "-m", "relax_core.entrypoints.run", "--cfg", path],
         capture_output=True,
         text=True,
         timeout=600,

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 def _run(cfg_path: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "relax_core.services.run", "--cfg", cfg_path],
+        [sys.executable, "-m", "relax_core.entrypoints.run", "--cfg", cfg_path],
         capture_output=True,
         text=True,
         env={**os.environ, **env},

@@ -22,9 +22,9 @@ import pytest
 
 from relax_core.config import SGLangConfig
 from relax_core.queue import TransferQueue
+from relax_core.queue.audit import audit_run
 from relax_core.rollout.sglang_engine import SGLangEngine, SGLangError
 from relax_core.rollout.sglang_server import SGLangServer, publish_policy, server_command
-from relax_core.services.audit import audit_run
 from relax_core.train.checkpoint import find_resume_checkpoint, read_state
 
 pytestmark = pytest.mark.integration
@@ -123,7 +123,7 @@ def test_a_sidecar_gets_the_policy_whole_and_ready_last(tiny_checkpoint, tmp_pat
 
 def _run(cfg: str, timeout: float = 600) -> str:
     out = subprocess.run(
-        [sys.executable, "-m", "relax_core.services.run", "--cfg", cfg],
+        [sys.executable, "-m", "relax_core.entrypoints.run", "--cfg", cfg],
         capture_output=True,
         text=True,
         timeout=timeout,

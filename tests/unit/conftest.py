@@ -13,7 +13,7 @@ def megatron_group():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from relax_core.sync.process_group import free_port
+    from relax_core.net import free_port
 
     if not dist.is_initialized():
         port = free_port("127.0.0.1")

@@ -13,10 +13,10 @@ import pytest
 from relax_core.config import ConfigError, load_config, replace
 from relax_core.data.dataset import load_prompts
 from relax_core.envs import resolve_env
-from relax_core.models.policy import PolicySpec, demonstration_examples
 from relax_core.models.tiny import build_char_tokenizer
+from relax_core.roles.episodes import check_env, env_runner, response_budget
 from relax_core.rollout.observations import ObservationRenderer
-from relax_core.services.env_rollout import check_env, env_runner, response_budget
+from relax_core.run.prepare import PolicySpec, demonstration_examples
 
 REPO = Path(__file__).resolve().parents[2]
 AGENTIC = str(REPO / "configs" / "cpu-agentic.yaml")

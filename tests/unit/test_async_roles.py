@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from relax_core.config import ConfigError, RunConfig, load_config, replace
+from relax_core.ops.processes import roles_of
+from relax_core.pool.engines import member_name, weight_members
 from relax_core.queue import TransferQueue
-from relax_core.services.cores import CoreShare
-from relax_core.services.engines import weight_members
-from relax_core.services.role import load_run_config, serve_fn, stage_chain
-from relax_core.services.supervisor import roles_of
-from relax_core.services.weights import member_name
+from relax_core.roles.cores import CoreShare
+from relax_core.roles.service import load_run_config, stage_chain
+from relax_core.run.role_services import serve_fn
 
 
 def _async(**sections) -> RunConfig:

@@ -11,7 +11,7 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 import pytest
 from mlflow.tracking import MlflowClient
 
-from relax_core import cli
+from relax_core.entrypoints import cli
 from relax_core.tracking.compare import compare_url, previous_run, resolve_runs, ui_base_url
 
 

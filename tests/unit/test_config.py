@@ -162,7 +162,7 @@ def test_registry_references_in_every_form_load():
 def test_the_qwen_cluster_configs_name_their_model_media_and_gpus(
     name, kind, source, modalities, gpus
 ):
-    from relax_core.config_checks import MODALITIES
+    from relax_core.config.checks import MODALITIES
 
     cfg = load_config(os.path.join(REPO, "configs", f"{name}.yaml"))
     assert (cfg.run_name, cfg.model.kind, cfg.model.source) == (name, kind, source)

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
+from relax_core.data.prompts import PromptItem
 from relax_core.models.tiny import build_char_tokenizer
 from relax_core.queue import rows_to_table
+from relax_core.roles.episodes import EnvRunner
 from relax_core.rollout.engine import SamplingParams
 from relax_core.rollout.multiturn import EpisodeLimits
 from relax_core.rollout.observations import ObservationRenderer
-from relax_core.services.env_rollout import EnvRunner
-from relax_core.services.prompts import PromptItem
 from tests.unit.test_multiturn import ScriptedEngine, ScriptEnv, ids_of, obs_ids, sample
 
 

@@ -126,13 +126,13 @@ def test_a_multi_gpu_trainer_outside_torchrun_is_named(monkeypatch):
 
 
 def test_a_multi_gpu_trainer_is_launched_under_torchrun():
-    from relax_core.services.supervisor import role_launcher
+    from relax_core.ops.processes import role_launcher
 
     cfg = replace(_cfg("cpu-async"), train={"backend": "fsdp"}, services={"trainer_gpus": 4})
     cmd = role_launcher(cfg, "trainer")
     assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
-    assert cmd[-2:] == ["-m", "relax_core.services.trainer"]
-    assert role_launcher(cfg, "rollout")[1:] == ["-m", "relax_core.services.rollout"]
+    assert cmd[-3:] == ["-m", "relax_core.entrypoints.role", "trainer"]
+    assert role_launcher(cfg, "rollout")[1:] == ["-m", "relax_core.entrypoints.role", "rollout"]
 
 
 @pytest.mark.parametrize(

@@ -48,7 +48,7 @@ def test_missing_or_corrupt_media_quarantines_its_row_and_the_rest_go_on(tmp_pat
 
 
 def test_eval_reports_accuracy_per_modality():
-    from relax_core.services.evaluation import accuracy_by_modality
+    from relax_core.roles.evaluation import accuracy_by_modality
 
     rows = [
         {"meta": {"modality": "image"}},

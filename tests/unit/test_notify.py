@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from relax_core.services.notify import Notifier, check_notify
+from relax_core.ops.notify import Notifier, check_notify
 
 
 def test_notifications_reach_every_url_with_the_run_in_the_title(hook):

@@ -14,14 +14,15 @@ import torch
 from relax_core.config import RunConfig, replace
 from relax_core.data.dataset import load_prompts, write_prompts
 from relax_core.models.omni import SPEC_FILE, TinyOmni
-from relax_core.models.policy import PolicySpec, load_policy, prepare_policy
+from relax_core.models.policy import load_policy
 from relax_core.queue import TransferQueue, rows_to_table
 from relax_core.rewards.registry import build_reward
+from relax_core.roles.media import QUARANTINE, prompt_source, resolver_for
+from relax_core.roles.rollout import rollout_groups
 from relax_core.rollout.engine import SamplingParams
 from relax_core.rollout.torch_engine import TorchEngine
-from relax_core.services.batching import table_micro_batches
-from relax_core.services.media import QUARANTINE, prompt_source, resolver_for
-from relax_core.services.rollout import rollout_groups
+from relax_core.run.prepare import PolicySpec, prepare_policy
+from relax_core.train.batching import table_micro_batches
 from relax_core.train.torch_backend import response_logprobs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -6,8 +6,8 @@ import json
 import subprocess
 import sys
 
+from relax_core.entrypoints.queue import main
 from relax_core.queue import StageWorker, TransferQueue, rows_to_table
-from relax_core.queue.__main__ import main
 from tests.unit.test_queue import _group_rows
 
 
@@ -70,7 +70,7 @@ def test_missing_run_is_an_error_naming_it(tmp_path, capsys) -> None:
 def test_relax_console_script_runs_the_same_command(tmp_path) -> None:
     _run_queue(str(tmp_path))
     out = subprocess.run(
-        [sys.executable, "-m", "relax_core.cli", "queue", str(tmp_path), "--run", "run-a"],
+        [sys.executable, "-m", "relax_core.entrypoints.cli", "queue", str(tmp_path), "--run", "run-a"],
         capture_output=True,
         text=True,
         check=True,

@@ -18,11 +18,11 @@ from relax_core.config import RunConfig, replace
 from relax_core.data.dataset import write_prompts
 from relax_core.queue import TransferQueue, rows_to_table
 from relax_core.rewards.registry import build_reward
+from relax_core.roles.media import QUARANTINE, prompt_source, resolver_for
+from relax_core.roles.rollout import rollout_groups
 from relax_core.rollout.engine import SamplingParams
 from relax_core.rollout.torch_engine import TorchEngine
-from relax_core.services.batching import table_micro_batches
-from relax_core.services.media import QUARANTINE, prompt_source, resolver_for
-from relax_core.services.rollout import rollout_groups
+from relax_core.train.batching import table_micro_batches
 from relax_core.train.torch_backend import response_logprobs
 from tests.tiny_qwen import tiny_qwen_policy
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from relax_core.queue import AdmissionLedger, TransferQueue, rows_to_table
-from relax_core.services.async_trainer import ReadyPool
+from relax_core.roles.ready_pool import ReadyPool
 
 
 def _put(queue: TransferQueue, groups: list[str], version: int) -> int:

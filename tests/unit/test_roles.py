@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from relax_core.config import AlgorithmConfig, ModelConfig
+from relax_core.data.prompts import PromptItem
 from relax_core.models.tiny import build_char_tokenizer, build_tiny_qwen3
 from relax_core.queue import rows_to_table
 from relax_core.rewards import resolve_reward
+from relax_core.roles.advantages import add_advantages
+from relax_core.roles.rollout import rollout_groups
+from relax_core.roles.trainer import _split_groups, train_on_table
 from relax_core.rollout.engine import SamplingParams
 from relax_core.rollout.torch_engine import TorchEngine
-from relax_core.services.advantages import add_advantages
-from relax_core.services.prompts import PromptItem
-from relax_core.services.rollout import rollout_groups
-from relax_core.services.trainer import _split_groups, train_on_table
 from relax_core.train.torch_backend import TorchBackend
 
 SMALL = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)

@@ -18,8 +18,8 @@ from relax_core.queue import rows_to_table
 from relax_core.rollout.engine import SamplingParams
 from relax_core.rollout.sglang_engine import SGLangEngine, SGLangError
 from relax_core.rollout.torch_engine import TorchEngine
-from relax_core.services.batching import table_micro_batches
 from relax_core.train.batch import make_micro_batch
+from relax_core.train.batching import table_micro_batches
 from relax_core.train.torch_backend import TorchBackend, response_logprobs
 
 MOE = ModelConfig(

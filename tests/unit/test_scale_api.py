@@ -18,10 +18,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from relax_core.config import RunConfig, replace
+from relax_core.ops.elastic import ElasticPool
+from relax_core.ops.scale_api import ScaleServer, write_api_file
+from relax_core.pool.engines import POOL, external_engines, weight_members
 from relax_core.queue import TransferQueue
-from relax_core.services.elastic import ElasticPool
-from relax_core.services.engines import POOL, external_engines, weight_members
-from relax_core.services.scale_api import ScaleServer, write_api_file
 from tests.s3servers import free_ports
 
 TOKEN = "s3cret-token"
@@ -216,7 +216,7 @@ def test_unknown_paths_operations_and_methods(api):
 
 
 def test_relax_scale_shows_grows_and_explains_a_missing_run(api, tmp_path, capsys):
-    from relax_core.cli import main
+    from relax_core.entrypoints.cli import main
 
     server, pool, host, queue, _ = api
     run_dir = tmp_path / "run-1"

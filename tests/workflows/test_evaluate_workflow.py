@@ -16,8 +16,8 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from relax_core.config import config_to_dict, load_config, replace
-from relax_core.services.evaluate_checkpoint import pass_at_k
-from relax_core.services.run import run
+from relax_core.run.evaluate import pass_at_k
+from relax_core.run.lifecycle import run
 
 pytestmark = pytest.mark.slow
 
@@ -97,7 +97,7 @@ def _check_registered_policy(cfg, first, workdir):
 
     from relax_core.rewards.registry import build_reward
     from relax_core.rewards.scoring import score_batch
-    from relax_core.services.evaluate_checkpoint import evaluate_checkpoint
+    from relax_core.run.evaluate import evaluate_checkpoint
 
     uri = cfg.tracking.tracking_uri
     original = mlflow.get_tracking_uri()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from relax_core.config_checks import MODALITIES
+from relax_core.config.checks import MODALITIES
 
 
 def _qwen25_omni_audio_tokens(feature_frames: int, n_window: int) -> int:

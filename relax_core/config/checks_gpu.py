@@ -1,0 +1,98 @@
+"""Value checks of the GPU stacks' settings: the SGLang rollout engine and the FSDP2 and
+Megatron-core training backends. Called by checks.validate; no I/O (whether CUDA is
+there is the roles' concern, checked when they start)."""
+
+from __future__ import annotations
+
+from relax_core.config.sections import RunSections
+
+BACKENDS = ("torch", "fsdp", "megatron")
+PAUSE_MODES = ("retract", "in_place", "abort")
+MEGATRON_KINDS = ("tiny-qwen3", "pretrained")
+"""Policies the Megatron backend converts (the Qwen3 family, dense and MoE)."""
+
+
+def check_gpu_stacks(e: list[str], cfg: RunSections) -> None:
+    if cfg.rollout.engine == "sglang":
+        _check_sglang(e, cfg)
+    _check_backend(e, cfg)
+
+
+def _check_sglang(e: list[str], cfg: RunSections) -> None:
+    g = cfg.sglang
+    if g.pause_mode not in PAUSE_MODES:
+        e.append(f"sglang.pause_mode: {g.pause_mode!r} is not one of {', '.join(PAUSE_MODES)}")
+    if not 0 < g.mem_fraction_static <= 1:
+        e.append(f"sglang.mem_fraction_static: must be in (0, 1], got {g.mem_fraction_static}")
+    if g.start_timeout_s <= 0:
+        e.append(f"sglang.start_timeout_s: must be > 0, got {g.start_timeout_s}")
+    if g.url and not g.url.startswith(("http://", "https://")):
+        e.append(f"sglang.url: must start with http:// or https://, got {g.url!r}")
+    if cfg.mode == "colocate" and g.release_memory and not g.handoff_dir:
+        e.append("sglang.handoff_dir: required in colocate mode (weights go through it)")
+    if cfg.mode == "async" and cfg.services.weight_sync != "broadcast":
+        e.append(
+            f"services.weight_sync: {cfg.services.weight_sync!r} with rollout.engine 'sglang'; "
+            "SGLang servers receive weights through their own weight group: use 'broadcast'"
+        )
+
+
+def _check_backend(e: list[str], cfg: RunSections) -> None:
+    t, p, gpus = cfg.train, cfg.train.parallel, cfg.services.trainer_gpus
+    if t.backend not in BACKENDS:
+        e.append(f"train.backend: {t.backend!r} is not one of {', '.join(BACKENDS)}")
+        return
+    sizes = {
+        "tensor": p.tensor,
+        "pipeline": p.pipeline,
+        "context": p.context,
+        "expert": p.expert,
+    }
+    for name, size in sizes.items():
+        if size < 1:
+            e.append(f"train.parallel.{name}: must be >= 1, got {size}")
+    if any(size < 1 for size in sizes.values()):
+        return
+    split = {name: size for name, size in sizes.items() if size > 1}
+    if t.backend != "megatron" and split:
+        name, size = next(iter(split.items()))
+        e.append(
+            f"train.parallel.{name}: {size} needs train.backend 'megatron' ('{t.backend}' "
+            "splits no model: torch runs one process, fsdp shards data-parallel only)"
+        )
+        return
+    if t.backend == "torch":
+        if gpus > 1:
+            e.append(
+                f"services.trainer_gpus: {gpus} GPUs need train.backend 'fsdp' or 'megatron' "
+                "(the torch backend trains on one)"
+            )
+        return
+    if gpus > 1 and cfg.mode == "colocate":
+        e.append(
+            f"services.trainer_gpus: {gpus} needs mode 'async' (colocate trains in its "
+            "controller's one process; the async trainer runs one process per GPU)"
+        )
+    if cfg.model.kind not in MEGATRON_KINDS and t.backend == "megatron":
+        e.append(
+            f"train.backend: 'megatron' converts Qwen3 policies (model.kind "
+            f"{' or '.join(MEGATRON_KINDS)}), not {cfg.model.kind!r}; use 'fsdp' or 'torch'"
+        )
+    if t.backend == "megatron":
+        for name in ("pipeline", "context"):
+            if sizes[name] > 1:
+                e.append(
+                    f"train.parallel.{name}: the Megatron backend runs {name} parallel 1 in "
+                    f"this build (got {sizes[name]}); split with tensor and expert parallel"
+                )
+    model_split = p.tensor * p.pipeline * p.context
+    if gpus % model_split:
+        e.append(
+            f"services.trainer_gpus: {gpus} is not a multiple of train.parallel tensor x "
+            f"pipeline x context = {model_split}"
+        )
+    elif (gpus // p.pipeline) % p.expert:
+        e.append(
+            f"train.parallel.expert: {p.expert} must divide the GPUs of one pipeline stage "
+            f"(services.trainer_gpus / train.parallel.pipeline = {gpus // p.pipeline})"
+        )

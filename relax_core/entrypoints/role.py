@@ -1,0 +1,57 @@
+"""`python -m relax_core.entrypoints.role ROLE --cfg CFG --run-id RUN_ID --checkpoint DIR
+[--worker N]`: one service of an async run in this process (what the local supervisor starts).
+
+CFG is a YAML run config or the canonical JSON the Flyte tasks pass around; RUN_ID names the
+queue prefix; DIR is the checkpoint the run continues from. Under torchrun (a trainer over several
+GPUs) rank 0 is the trainer service and the other ranks follow it (train/ranks.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from relax_core.config import ConfigError
+from relax_core.roles.service import ROLES, load_run_config, run_role
+from relax_core.roles.trainer_ranks import follow_rank0
+from relax_core.run.role_services import serve_fn
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m relax_core.entrypoints.role",
+        description="Run one service of an async RL run.",
+    )
+    parser.add_argument("role", choices=ROLES, help="the role this process serves")
+    parser.add_argument("--cfg", required=True, help="run config: YAML or JSON file, or JSON")
+    # --run-id: torchrun (a trainer over several GPUs) reads '--run' as an abbreviation of its
+    # own --run-path.
+    parser.add_argument(
+        "--run-id", "--run", dest="run", required=True, help="run id (the queue prefix)"
+    )
+    parser.add_argument("--checkpoint", required=True, help="checkpoint the run continues from")
+    parser.add_argument("--worker", type=int, default=0, help="index among workers of this role")
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    name = f"{args.role}-{args.worker}" if rank == 0 else f"{args.role}-rank{rank}"
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    try:
+        cfg = load_run_config(args.cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not os.path.isdir(args.checkpoint):
+        print(f"error: --checkpoint {args.checkpoint} is not a directory", file=sys.stderr)
+        return 2
+    if args.role == "trainer" and rank > 0:
+        follow_rank0(cfg, args.checkpoint)
+    else:
+        run_role(args.role, serve_fn(args.role), cfg, args.run, args.checkpoint, args.worker)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

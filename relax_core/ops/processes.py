@@ -1,0 +1,95 @@
+"""The processes of a local async run: what each role's process is and records, the command that
+starts it, the services a config runs, and the signals and logs the supervisor uses on them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from relax_core.config import RunConfig
+from relax_core.roles.service import stage_chain
+
+TAIL_LINES = 40
+
+
+@dataclass
+class RoleProcess:
+    role: str
+    worker: int
+    log_path: str
+    incarnation: int = 0
+    pid: int = 0
+    exit_code: int | None = None
+    cpu_s: float = 0.0
+    started: float = 0.0
+    wall_s: float = 0.0
+    group: bool = False
+    """It leads a process group of its own (torchrun and its trainer ranks): signals go to the
+    whole group, so no rank outlives a killed trainer."""
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.worker}"
+
+
+def send_signal(rp: RoleProcess, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        if rp.group:
+            os.killpg(rp.pid, sig)
+        else:
+            os.kill(rp.pid, sig)
+
+
+def role_launcher(cfg: RunConfig, role: str) -> list[str]:
+    """The command that starts a role: its module, or for a trainer over several GPUs torchrun
+    with one process per GPU (train/ranks.py)."""
+    module = ["-m", "relax_core.entrypoints.role", role]
+    gpus = cfg.services.trainer_gpus
+    if role != "trainer" or gpus == 1:
+        return [sys.executable, *module]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus)]
+    return [sys.executable, *torchrun, *module]
+
+
+def roles_of(cfg: RunConfig) -> list[tuple[str, int]]:
+    """(role, worker index) of every service this config runs; the trainer first."""
+    roles = [("trainer", 0)]
+    roles += [("rollout", i) for i in range(cfg.services.rollout_workers)]
+    roles += [(role, 0) for role, _, _ in stage_chain(cfg)]
+    return roles
+
+
+def log_tail(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-TAIL_LINES:])
+    except OSError:
+        return "(no log)"
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def unwind_on_sigterm() -> Any:
+    """Make SIGTERM (a `kill`, a pod being stopped) unwind like Ctrl-C while the run lasts, so
+    `run`'s cleanup stops every role: by default it ends this process at once and leaves the
+    roles running with no supervisor. Returns the handler to restore; None off the main thread,
+    where handlers cannot be set and the caller's stay."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def _exit(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, _exit)

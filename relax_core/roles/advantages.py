@@ -1,0 +1,47 @@
+"""Advantages role: group-normalized advantages (GRPO), broadcast over each response's tokens,
+plus the on-policy distillation term per token when a teacher scored the rows."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import torch
+
+from relax_core.algorithms import ADVANTAGE_ESTIMATORS, distillation_advantages
+from relax_core.queue import with_columns
+
+
+def add_advantages(
+    table: pa.Table, estimator: str, normalize_std: bool, distill_coef: float = 0.0
+) -> pa.Table:
+    """Fill the `advantages` column ([len(response)] per row) from rewards within each group;
+    with `distill_coef` > 0 each token also gets -coef * (rollout_logprobs - teacher_logprobs)."""
+    group_ids = table.column("group_id").to_pylist()
+    index: dict[str, int] = {}
+    group_index = torch.tensor([index.setdefault(g, len(index)) for g in group_ids])
+    rewards = torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32)
+    adv = ADVANTAGE_ESTIMATORS[estimator](rewards, group_index, normalize_std=normalize_std)
+    lengths = [len(r) for r in table.column("response_ids").to_pylist()]
+    per_token = [[a] * n for a, n in zip(adv.tolist(), lengths, strict=True)]
+    if distill_coef > 0:
+        teacher = table.column("teacher_logprobs").to_pylist()
+        if any(t is None for t in teacher):
+            raise ValueError("distillation needs teacher_logprobs; the teacher role did not run")
+        student = table.column("rollout_logprobs").to_pylist()
+        masks = table.column("loss_mask").to_pylist()
+        per_token = [
+            distillation_advantages(
+                torch.tensor(a), torch.tensor(st), torch.tensor(te), torch.tensor(m), distill_coef
+            ).tolist()
+            for a, st, te, m in zip(per_token, student, teacher, masks, strict=True)
+        ]
+    return with_columns(table, advantages=per_token)
+
+
+def serve(ctx) -> None:
+    """The advantages service: `ref`/`fwd`/`rollout` entries -> `ready` (same seq)."""
+    a = ctx.cfg.algorithm
+    from relax_core.roles.service import serve_stage
+
+    serve_stage(
+        ctx, lambda table: add_advantages(table, a.advantage, a.normalize_adv_std, a.distill_coef)
+    )

@@ -1,0 +1,271 @@
+"""The rollout service of an async run: admit groups under the staleness bound, generate, score,
+append to the `rollout` stage (the step itself is rollout.py, or episodes.py for an agentic run).
+
+Parts: the AdmissionLedger (tickets: ticket i is prompt i of the stream), the engine this worker
+drives (a torch engine in this process, or an SGLang server it started, found in its pod or was
+given by URL; `pool/engine_weights.py` keeps its weights current) and the pool's drain requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from relax_core.roles.rollout import rollout_groups
+from relax_core.rollout.engine import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+
+def serve(ctx) -> None:
+    """The rollout service: admit groups under the staleness bound, generate, score, append.
+
+    Groups are numbered by admission tickets (`AdmissionLedger`), and ticket i is prompt i of the
+    dataset stream, so several workers and a restarted worker hand out every prompt once. New
+    weights arrive in the background; they are applied between generate calls, or between
+    decode steps with `rollout.partial_rollout`.
+
+    Elastic pool (`engines.py`): an engine added by scaling out (a worker number past the
+    config's `rollout_workers`) takes no work before it holds the trainer's weights. An engine
+    asked to drain admits nothing more, commits what it admitted (and what a dead process of it
+    had admitted), and exits 0.
+    """
+    import contextlib
+    import os
+
+    from relax_core.pool.engines import drain_requested, pool_entry, withdraw_server
+    from relax_core.queue import AdmissionLedger, rows_to_table
+    from relax_core.rewards.registry import build_reward
+    from relax_core.roles.cores import CoreShare
+    from relax_core.roles.episodes import env_runner
+    from relax_core.roles.media import prompt_source
+    from relax_core.roles.service import set_threads
+    from relax_core.train.checkpoint import read_state
+
+    cfg, s, r = ctx.cfg, ctx.cfg.services, ctx.cfg.rollout
+    set_threads(s.rollout_threads)
+    entry = pool_entry(cfg, ctx.queue, ctx.name) if ctx.worker >= s.rollout_workers else None
+    url = (entry or {}).get("url")
+    server = None
+    if url:
+        engine, weights, tokenizer = _served_engine(ctx, url)
+    elif r.engine == "sglang":
+        url, server = _own_server(ctx, read_state(ctx.checkpoint))
+        engine, weights, tokenizer = _served_engine(ctx, url)
+    else:
+        engine, weights, tokenizer = _local_engine(ctx, read_state(ctx.checkpoint))
+    # Joining waits for the trainer (still importing, opening its MLflow run); generation under
+    # the checkpoint's weights need not wait for it.
+    weights.start()
+    apply_pending = weights.apply_pending
+    if r.partial_rollout:
+        engine.weight_poll = apply_pending
+    reward_fn = build_reward(
+        cfg.reward,
+        cache_dir=os.path.join(cfg.checkpoint.policy_cache_dir, "hf"),
+        dtype=cfg.model.dtype,
+        seed=cfg.seed,
+    )
+    prompts = prompt_source(cfg, "train", engine.model if not url else None, tokenizer, ctx.queue)
+    env = env_runner(cfg, engine.model if not url else None, tokenizer)
+    ledger = AdmissionLedger(ctx.queue)
+    # Blocks an earlier process of this worker admitted but never committed (it died): void
+    # them and generate their prompts again, so the trainer neither waits for them nor loses them.
+    redo = ledger.reclaim(ctx.name, committed_tickets(ctx.queue))
+    if redo:
+        log.warning(
+            "%s: generating %d groups again that a dead process had admitted",
+            ctx.name,
+            sum(n for _, n in redo),
+        )
+    params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p)
+    chunk = s.rollout_batch_groups or r.groups_per_step
+    cores = CoreShare.from_env(ctx.name)
+    drain = _Throttled(lambda: drain_requested(ctx.queue, ctx.name), _DRAIN_CHECK_S)
+    if ctx.worker >= s.rollout_workers:
+        # Added by scaling out: its checkpoint's weights may be many versions old.
+        ctx.status["state"] = "waiting for the trainer's weights"
+        ctx.beat()
+        while not ctx.stopped() and not drain() and not weights.holds_trainer_weights():
+            weights.wait(0.05)
+    ctx.status["taking_work"] = True
+    ctx.beat()  # the supervisor marks a new engine active on this beat
+    waited, wait_start = 0.0, None
+    drained = False
+    try:
+        while not ctx.stopped():
+            if not redo and drain():
+                drained = True
+                break
+            apply_pending()
+            stream_first = redo[0][0] if redo else None
+            first, count = ledger.try_admit(
+                min(chunk, redo[0][1]) if redo else chunk,
+                engine.version,
+                r.max_staleness,
+                r.groups_per_step,
+                worker=ctx.name,
+                stream_first=stream_first,
+            )
+            if count == 0:
+                if wait_start is None:
+                    wait_start = time.perf_counter()
+                    ctx.status["state"] = f"at the staleness bound ({first} groups started)"
+                    ctx.beat()  # waiting is news: `relax queue` shows it now, not a beat later
+                weights.wait(0.05)
+                continue
+            if wait_start is not None:
+                waited += time.perf_counter() - wait_start
+                wait_start = None
+            stream = first if stream_first is None else stream_first
+            if redo:
+                redo[0] = (redo[0][0] + count, redo[0][1] - count)
+                if redo[0][1] == 0:
+                    redo.pop(0)
+            ctx.status["state"] = f"generating groups {first}..{first + count - 1}"
+            busy = cores.busy(s.rollout_threads) if cores else contextlib.nullcontext()
+            with busy:
+                items = prompts.at(stream, count)
+                if env is not None:
+                    rows, metrics = env.rollout(engine, items, params, r.n_samples_per_prompt)
+                else:
+                    rows, metrics = rollout_groups(
+                        engine,
+                        tokenizer,
+                        items,
+                        params,
+                        r.n_samples_per_prompt,
+                        reward_fn,
+                        cfg.reward.overlong_buffer,
+                        cfg.reward.overlong_penalty,
+                    )
+            metrics["perf/rollout_wait_s"] = waited
+            waited = 0.0
+            ctx.queue.put(
+                "rollout",
+                rows_to_table(rows),
+                {
+                    "policy_version": engine.version,
+                    "tickets": [first, count],
+                    "stream": [stream, count],
+                    "worker": ctx.name,
+                    "metrics": metrics,
+                },
+            )
+    finally:
+        weights.close(drained, s.start_timeout_s)
+        if server is not None:
+            withdraw_server(ctx.queue, ctx.name)
+            server.stop()
+    if drained:
+        log.info("%s drained: every group it admitted is committed", ctx.name)
+        ctx.status["state"] = "drained"
+        ctx.status["taking_work"] = False
+
+
+_DRAIN_CHECK_S = 0.5
+
+
+def _local_engine(ctx, state: dict[str, Any]):
+    """A torch engine on the checkpoint's policy, fed by the trainer's weight transport."""
+    from relax_core.models.policy import load_policy
+    from relax_core.pool.engine_weights import LocalWeights
+    from relax_core.pool.weights import make_receiver
+    from relax_core.rollout.torch_engine import TorchEngine
+    from relax_core.sync.buckets import specs_of
+
+    cfg = ctx.cfg
+    model, tokenizer = load_policy(ctx.checkpoint, cfg.model.dtype)
+    if cfg.train.routing_replay:  # the engine records the experts the trainer replays
+        from relax_core.models.routing_replay import attach_routing_replay
+
+        attach_routing_replay(model)
+    version = int(state["policy_version"])
+    # Distinct sampling streams per worker and per (re)start version.
+    engine = TorchEngine(
+        model,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        seed=cfg.seed * 1_000_003 + ctx.worker * 7919 + version,
+    )
+    engine.version = version
+    receiver = make_receiver(
+        cfg, ctx.queue, specs_of(model.named_parameters()), "rollout", ctx.worker
+    )
+    return engine, LocalWeights(engine, receiver, ctx.status), tokenizer
+
+
+def _served_engine(ctx, url: str):
+    """An external SGLang server, driven over HTTP; only the tokenizer is loaded here."""
+    from transformers import AutoTokenizer
+
+    from relax_core.pool.engine_weights import ServedWeights
+    from relax_core.pool.engines import sglang_synced
+    from relax_core.rollout.sglang_engine import SGLangClient, SGLangEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(ctx.checkpoint)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    engine = SGLangEngine(
+        SGLangClient(url, timeout_s=ctx.cfg.services.start_timeout_s),
+        ctx.cfg.sglang.pause_mode,
+        routed_experts=ctx.cfg.train.routing_replay,
+    )
+    weights = ServedWeights(engine, lambda: sglang_synced(ctx.queue, ctx.name), ctx.status)
+    log.info("%s drives the SGLang server at %s", ctx.name, url)
+    return engine, weights, tokenizer
+
+
+def _own_server(ctx, state: dict[str, Any]):
+    """rollout.engine 'sglang': this worker's own SGLang server (started here, or its pod's
+    sidecar), published under control/sglang_servers/ so the trainer adds it to its SGLang
+    weight group at its next update. Returns (URL, the server to stop or None)."""
+    from relax_core.pool.engines import publish_server
+    from relax_core.rollout.sglang_server import attach_or_start
+
+    cfg = ctx.cfg
+    ctx.status["state"] = "starting its SGLang server"
+    ctx.beat()
+    log_path = os.path.join(cfg.checkpoint.dir, ctx.run_id, "logs", f"sglang-{ctx.name}.log")
+    client, server = attach_or_start(
+        cfg.sglang,
+        ctx.worker,
+        ctx.checkpoint,
+        int(state["policy_version"]),
+        cfg.services.rollout_gpus,
+        log_path,
+        routed_experts=bool(getattr(cfg.train, "routing_replay", False)),
+    )
+    publish_server(ctx.queue, ctx.name, client.url)
+    return client.url, server
+
+
+class _Throttled:
+    """A check that asks storage at most every `every_s` seconds; True stays True."""
+
+    def __init__(self, check, every_s: float) -> None:
+        self.check, self.every_s = check, every_s
+        self.last, self.value = float("-inf"), False
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if not self.value and now - self.last >= self.every_s:
+            self.last = now
+            self.value = bool(self.check())
+        return self.value
+
+
+def committed_tickets(queue) -> set[int]:
+    """First tickets of the blocks committed to the rollout stage."""
+    firsts = set()
+    for seq in queue.committed("rollout"):
+        try:
+            tickets = queue.record("rollout", seq).get("meta", {}).get("tickets")
+        except Exception:  # noqa: BLE001 - an unreadable record is quarantined by its reader
+            continue
+        if tickets:
+            firsts.add(int(tickets[0]))
+    return firsts

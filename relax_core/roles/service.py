@@ -1,0 +1,181 @@
+"""What every async-mode service shares: its context (config, queue, run id, checkpoint),
+heartbeats, stop, the stage it serves and the stage-serving loop of the transform roles.
+
+A service is started by `python -m relax_core.entrypoints.role <role> ...` (or a Flyte task) with a
+config, the run id (the queue prefix) and the checkpoint the run continues from (its weights are
+where every role starts). A service exits 0 when `control/stop` appears, and non-zero with the reason on stderr
+when it fails; the supervisor (local) or Flyte (cluster) decides what happens next.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from relax_core.config import RunConfig, load_config
+from relax_core.queue import TransferQueue, open_queue
+
+log = logging.getLogger(__name__)
+
+ROLES = ("rollout", "reference", "actor_fwd", "advantages", "trainer")
+
+
+def load_run_config(path_or_json: str) -> RunConfig:
+    """A YAML file, a JSON file, or JSON text."""
+    text = path_or_json.strip()
+    if text.startswith("{"):
+        return RunConfig.from_json(text)
+    if path_or_json.endswith(".json"):
+        with open(path_or_json) as f:
+            return RunConfig.from_json(f.read())
+    return load_config(path_or_json)
+
+
+@dataclass
+class RoleContext:
+    """One running service: who it is, what it serves, and its liveness."""
+
+    role: str
+    worker: int
+    cfg: RunConfig
+    run_id: str
+    checkpoint: str
+    queue: TransferQueue
+    status: dict[str, Any] = field(default_factory=dict)
+    """Shown in the heartbeat (and by `relax queue`): what the service is doing now."""
+    _stop_seen: bool = False
+    _stop_checked: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.worker}"
+
+    def stopped(self) -> bool:
+        """Whether `control/stop` exists (checked at most every poll interval)."""
+        now = time.monotonic()
+        if not self._stop_seen and now - self._stop_checked >= self.cfg.services.poll_s:
+            self._stop_checked = now
+            self._stop_seen = self.queue.stopped()
+        return self._stop_seen
+
+    def sleep(self) -> None:
+        time.sleep(self.cfg.services.poll_s)
+
+    def beat(self) -> None:
+        self.queue.heartbeat(self.role, str(self.worker), {**self.status, "pid": os.getpid()})
+
+    def start_heartbeats(self) -> None:
+        """Beat now and then every `services.heartbeat_s` from a daemon thread."""
+        self.beat()
+
+        def loop() -> None:
+            while not self._stop_seen:
+                time.sleep(self.cfg.services.heartbeat_s)
+                try:
+                    self.beat()
+                except Exception as exc:  # a missed beat is visible as a stale heartbeat
+                    log.warning("%s: heartbeat failed: %s", self.name, exc)
+
+        threading.Thread(target=loop, name=f"heartbeat-{self.name}", daemon=True).start()
+
+
+def set_threads(n: int) -> None:
+    import torch
+
+    if n > 0:
+        torch.set_num_threads(n)
+
+
+def run_role(
+    role: str,
+    serve: Callable[[RoleContext], None],
+    cfg: RunConfig,
+    run_id: str,
+    checkpoint: str,
+    worker: int = 0,
+) -> None:
+    """Serve `role` in this process until the run stops (a Flyte task calls this directly)."""
+    queue = open_queue(cfg.queue, run_id)
+    ctx = RoleContext(role, worker, cfg, run_id, os.path.abspath(checkpoint), queue)
+    ctx.status["state"] = "starting"
+    ctx.start_heartbeats()
+    serve(ctx)
+    if ctx.status.get("state") != "drained":  # an elastic engine removed mid-run says so
+        ctx.status["state"] = "stopped"
+    ctx.beat()
+
+
+def stage_chain(cfg: RunConfig) -> list[tuple[str, str, str]]:
+    """(role, input stage, output stage) of each transform role the config needs, in order.
+
+    rollout -> [reference: ref] -> [actor_fwd: fwd] -> advantages: ready. A role the run does
+    not need is left out (no reference model without a KL term or a teacher).
+    """
+    chain, stage = [], "rollout"
+    if cfg.algorithm.kl_coef > 0 or cfg.algorithm.distill_coef > 0:
+        chain.append(("reference", stage, "ref"))
+        stage = "ref"
+    if cfg.services.actor_fwd:
+        chain.append(("actor_fwd", stage, "fwd"))
+        stage = "fwd"
+    chain.append(("advantages", stage, "ready"))
+    return chain
+
+
+def stage_of(cfg: RunConfig, role: str) -> tuple[str, str]:
+    for name, source, target in stage_chain(cfg):
+        if name == role:
+            return source, target
+    raise ValueError(f"role {role!r} does not run with this config (roles: {stage_chain(cfg)})")
+
+
+def serve_stage(
+    ctx: RoleContext,
+    transform: Callable[[Any], Any],
+    before_entry: Callable[[], None] | None = None,
+    busy_threads: int = 0,
+) -> None:
+    """Claim input entries of this role's stage, transform them, commit at the same seq.
+
+    The input's meta (the rollout's metrics) travels on with the output. `before_entry` runs
+    between entries (e.g. apply new weights); with `busy_threads` the role marks itself busy
+    on the local core share while it computes.
+    """
+    import contextlib
+
+    from relax_core.queue import StageWorker
+    from relax_core.queue.queue import log_path
+    from relax_core.roles.cores import CoreShare
+
+    source, target = stage_of(ctx.cfg, ctx.role)
+    worker = StageWorker(ctx.queue, source, target, ctx.name, ctx.cfg.queue.lease_ttl_s)
+    cores = CoreShare.from_env(ctx.name) if busy_threads else None
+    ctx.status["state"] = f"serving {source} -> {target}"
+    done, next_input, scanned = 0, 0, 0.0
+    while not ctx.stopped():
+        if before_entry is not None:
+            before_entry()
+        # Idle polls cost one existence check of the next input seq; the full scan (listings,
+        # expired leases of other workers) runs when it appears, or once a second.
+        now = time.monotonic()
+        if now - scanned < 1.0 and not ctx.queue.store.exists(log_path(source, next_input)):
+            ctx.sleep()
+            continue
+        scanned = now
+        claimed = next(iter(worker.claim()), None)
+        next_input = max(worker.known_inputs(), default=-1) + 1
+        if claimed is None:
+            ctx.sleep()
+            continue
+        lease, entry = claimed
+        busy = cores.busy(busy_threads) if cores else contextlib.nullcontext()
+        with busy:
+            table = transform(entry.table)
+        worker.complete(lease, table, meta=entry.record.get("meta"))
+        done += 1
+        ctx.status["entries"] = done

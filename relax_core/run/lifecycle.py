@@ -1,0 +1,278 @@
+"""Run lifecycle: preflight -> start (eval at step 0) -> steps -> finish.
+
+Colocate: `run_steps` trains in this process. Async: the steps are the role services
+(supervisor.py locally; parallel Flyte tasks on a cluster); start and finish are shared.
+
+These are the functions the Flyte tasks call (one per node) and the `python -m
+relax_core.run.lifecycle` CLI calls in one process. Each takes the config and a checkpoint path and
+returns a checkpoint path, so any node can be rerun or resumed from what the last one left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+from typing import Any
+
+import torch
+
+from relax_core.config import ConfigError, RunConfig
+from relax_core.run.colocate import ColocateController
+from relax_core.run.session import RunSession, RunState
+from relax_core.tracking import format_summary
+from relax_core.tracking.runs import monitor_for, run_tags, tracking_uri_of
+from relax_core.train import checkpoint as ckpt
+from relax_core.train.loop import train_until
+
+log = logging.getLogger(__name__)
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Checks that need the filesystem or imports; one ConfigError listing every problem."""
+    from relax_core.data.dataset import check_dataset_path
+    from relax_core.rewards.registry import check_reward
+
+    problems = []
+    for name in ("train_path", "eval_path"):
+        try:
+            check_dataset_path(getattr(cfg.data, name))
+        except (OSError, ValueError) as exc:
+            problems.append(f"data.{name}: {exc}")
+    try:
+        check_reward(cfg.reward)
+    except (ValueError, TypeError) as exc:
+        text = str(exc)
+        problems.append(text if text.startswith("reward.") else f"reward.name: {text}")
+    if cfg.env.name:
+        from relax_core.roles.episodes import check_env
+
+        problems += check_env(cfg)
+    if cfg.model.kind == "pretrained" and cfg.model.source.startswith("models:"):
+        from relax_core.tracking.registry import resolve_model_uri
+
+        try:
+            resolve_model_uri(tracking_uri_of(cfg), cfg.model.source)
+        except ValueError as exc:
+            problems.append(f"model.source: {exc}")
+    elif cfg.model.kind == "pretrained":
+        from relax_core.models.pretrained import resolve_source
+
+        try:
+            resolve_source(cfg.model.source)
+        except (OSError, ValueError, ImportError) as exc:
+            problems.append(f"model.source: {exc}")
+    teacher = cfg.algorithm.teacher
+    if teacher and not os.path.isfile(os.path.join(teacher, "config.json")):
+        problems.append(
+            f"algorithm.teacher: {teacher} is not a model directory (no config.json); give a "
+            "checkpoint directory such as .relax/checkpoints/<run id>/step_000200"
+        )
+    from relax_core.ops.notify import check_notify
+
+    problems += check_notify(cfg.services.notify)
+    if cfg.checkpoint.resume_from and not os.path.isfile(
+        os.path.join(cfg.checkpoint.resume_from, ckpt.STATE_FILE)
+    ):
+        problems.append(f"checkpoint.resume_from: {cfg.checkpoint.resume_from} is not a checkpoint")
+    if not problems:
+        # Storage last: it may wait on retries, and a typo above is cheaper to report first.
+        from relax_core.queue import StorageError, check_queue_storage
+
+        try:
+            check_queue_storage(cfg.queue)
+        except (StorageError, RuntimeError, OSError) as exc:
+            problems.append(f"queue.root: {exc}")
+    if problems:
+        raise ConfigError("config cannot run:\n  - " + "\n  - ".join(problems))
+
+
+def start_run(cfg: RunConfig, policy_dir: str) -> str:
+    """Checkpoint to continue from: the one to resume, or a new run's version 0 after eval."""
+    if cfg.checkpoint.resume_from:
+        return os.path.abspath(cfg.checkpoint.resume_from)
+    if cfg.checkpoint.resume:
+        found = ckpt.find_resume_checkpoint(cfg.checkpoint.dir, cfg.run_name)
+        if found:
+            log.info("resuming %s", found)
+            return os.path.abspath(found)
+        log.warning(
+            "resume: no checkpoint of run %r under %s; starting a new run",
+            cfg.run_name,
+            cfg.checkpoint.dir,
+        )
+    if not os.path.isfile(os.path.join(policy_dir, "config.json")):
+        # Flyte's cache of prepare_policy can outlive the directory it returned (a deleted work
+        # dir, another machine): prepare the same policy again instead of failing on a path.
+        from relax_core.data.dataset import fingerprint
+        from relax_core.models.policy import PolicySpec, prepare_policy
+
+        log.warning("prepared policy %s is gone; preparing it again", policy_dir)
+        spec = PolicySpec.of(cfg, fingerprint(cfg.data.train_path))
+        policy_dir = prepare_policy(spec, cfg.checkpoint.policy_cache_dir)
+    run_id = f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    state = RunState(run_id=run_id, policy_dir=policy_dir, started_at=time.time())
+    session = RunSession(cfg, policy_dir, state)
+    try:
+        monitor = monitor_for(cfg, state.run_id, state.tracking_run_id)
+        state.tracking_run_id = monitor.start(
+            dataclasses.asdict(cfg), run_tags(state.run_id, cfg.mode)
+        )
+        state.eval_before = ColocateController(session).evaluate()
+        monitor.log_metrics(state.eval_before, step=0)
+        monitor.flush()
+        return os.path.abspath(session.save_checkpoint())
+    finally:
+        session.close()
+
+
+def run_steps(cfg: RunConfig, checkpoint: str, max_steps: int) -> str:
+    """Train from `checkpoint` for up to `max_steps` steps; returns the newest checkpoint."""
+    session = RunSession.from_checkpoint(cfg, checkpoint)
+    try:
+        controller = ColocateController(session)
+        controller.skip_orphans()
+        state, total = session.state, cfg.train.total_steps
+        target = min(total, state.policy_version + max_steps)
+        if state.policy_version >= target:
+            return checkpoint
+        return train_until(
+            cfg,
+            state,
+            target,
+            controller.step,
+            controller.evaluate,
+            session.save_checkpoint,
+            checkpoint,
+        )
+    finally:
+        session.close()
+
+
+def finish_run(cfg: RunConfig, checkpoint: str) -> dict[str, Any]:
+    """Final held-out eval, close the MLflow run, print and return the summary."""
+    session = RunSession.from_checkpoint(cfg, checkpoint)
+    state = session.state
+    try:
+        after = ColocateController(session).evaluate()
+    finally:
+        session.close()
+    monitor = monitor_for(cfg, state.run_id, state.tracking_run_id)
+    monitor.start(dataclasses.asdict(cfg), run_tags(state.run_id, cfg.mode))
+    monitor.log_metrics(after, step=state.policy_version)
+    monitor.flush()
+    registered = register_final_policy(cfg, state, checkpoint, after, monitor.tracking_uri)
+    monitor.finish("FINISHED")
+    summary = {
+        "eval_accuracy_before": state.eval_before.get("eval/accuracy"),
+        "eval_accuracy_after": after["eval/accuracy"],
+        "steps": state.policy_version,
+        "wall_time_s": time.time() - state.started_at,
+        "mlflow_run_id": state.tracking_run_id,
+        "mlflow_run_url": f"{monitor.tracking_uri}  {monitor.run_url()}",
+        "checkpoint": os.path.abspath(checkpoint),
+        "registered_model": registered,
+        "compare_url": compare_with_previous(monitor.tracking_uri, monitor),
+    }
+    print(format_summary(summary), file=sys.stderr, flush=True)
+    summary["run_id"] = state.run_id
+    with open(os.path.join(session.run_dir, "summary.json"), "w") as f:
+        json.dump({**summary, "eval_before": state.eval_before, "eval_after": after}, f, indent=1)
+    return summary
+
+
+def register_final_policy(
+    cfg: RunConfig, state: RunState, checkpoint: str, after: dict[str, float], tracking_uri: str
+) -> str | None:
+    """Register the final checkpoint under `tracking.registered_model`; returns its models:/ URI."""
+    name = cfg.tracking.registered_model
+    if not name:
+        return None
+    from relax_core.tracking.registry import register_policy
+
+    accuracy = after["eval/accuracy"]
+    registered = register_policy(
+        tracking_uri,
+        state.tracking_run_id,
+        checkpoint,
+        name,
+        model_config={
+            "template": cfg.data.template,
+            "system_prompt": cfg.data.system_prompt,
+            "max_new_tokens": cfg.rollout.max_new_tokens,
+        },
+        tags={
+            "relax.run_id": state.run_id,
+            "relax.policy_version": str(state.policy_version),
+            "relax.eval_accuracy": f"{accuracy:.4f}",
+            "relax.loss": cfg.algorithm.loss,
+        },
+        description=(
+            f"{cfg.algorithm.loss} run {state.run_id}, policy version {state.policy_version}: "
+            f"held-out accuracy {accuracy:.3f} on {cfg.data.eval_path}"
+        ),
+    )
+    return registered.uri
+
+
+def compare_with_previous(tracking_uri: str, monitor) -> str | None:
+    """MLflow UI page comparing this run with the experiment's previous training run, if any."""
+    from relax_core.tracking.compare import compare_url, previous_run, ui_base_url
+
+    try:
+        before = previous_run(tracking_uri, monitor.experiment_id, monitor.run_id)
+    except Exception as exc:  # noqa: BLE001 - a summary line is not worth failing a finished run
+        logging.getLogger(__name__).warning("no comparison link: %s", exc)
+        return None
+    if before is None:
+        return None
+    return compare_url(ui_base_url(), [monitor.experiment_id], [before, monitor.run_id])
+
+
+def policy_spec_for(cfg: RunConfig, data_fingerprint: str):
+    """The starting policy's spec; a registry source (`models:/<name>/latest`, `@alias`) is pinned
+    to the version it names now, so the cached policy is keyed on exact weights."""
+    from relax_core.models.policy import PolicySpec
+
+    if cfg.model.kind != "pretrained" or not cfg.model.source.startswith("models:"):
+        return PolicySpec.of(cfg, data_fingerprint)
+    from relax_core.config import replace
+    from relax_core.tracking.registry import resolve_model_uri
+
+    uri = tracking_uri_of(cfg)
+    pinned = resolve_model_uri(uri, cfg.model.source).uri
+    return PolicySpec.of(replace(cfg, model={"source": pinned}), data_fingerprint, uri)
+
+
+def read_version(checkpoint: str) -> int:
+    return int(ckpt.read_state(checkpoint)["policy_version"])
+
+
+def newest_checkpoint(checkpoint: str) -> str:
+    """The newest checkpoint of the run `checkpoint` belongs to (what a retried node resumes)."""
+    found = ckpt.list_checkpoints(os.path.dirname(os.path.abspath(checkpoint)))
+    return found[-1] if found else checkpoint
+
+
+def run(cfg: RunConfig) -> dict[str, Any]:
+    """The whole run from this process (what the Flyte workflow does node by node)."""
+    from relax_core.data.dataset import fingerprint
+    from relax_core.models.policy import prepare_policy
+
+    preflight(cfg)
+    if cfg.train.torch_threads:
+        torch.set_num_threads(cfg.train.torch_threads)
+    spec = policy_spec_for(cfg, fingerprint(cfg.data.train_path))
+    checkpoint = start_run(cfg, prepare_policy(spec, cfg.checkpoint.policy_cache_dir))
+    if cfg.mode == "async":
+        # Outside Flyte there is one machine: the roles run as supervised local processes.
+        from relax_core.ops.supervisor import run_async_local
+
+        checkpoint = run_async_local(cfg, checkpoint)
+    while cfg.mode == "colocate" and read_version(checkpoint) < cfg.train.total_steps:
+        checkpoint = run_steps(cfg, checkpoint, cfg.train.steps_per_node)
+    return finish_run(cfg, checkpoint)

@@ -1,0 +1,237 @@
+"""Preparing the starting policy: a tiny model + warm start, or a pretrained chat model.
+
+A prepared policy is an ordinary HF model directory (safetensors + tokenizer), cached under a key
+derived from everything that determines it (`PolicySpec`), so a rerun (or a Flyte cache miss)
+reuses it. The warm start of an agentic run learns the env's demonstration episodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+
+from relax_core.config import (
+    DataConfig,
+    EnvConfig,
+    ModelConfig,
+    RunConfig,
+    WarmStartConfig,
+    config_from_dict,
+)
+from relax_core.config.checks import QWEN_MULTIMODAL
+from relax_core.models.omni import (
+    ENCODERS_VERSION,
+    OMNI_FIELDS,
+    TinyOmni,
+    add_media_token,
+    media_placeholders,
+    omni_spec,
+)
+from relax_core.models.policy import load_policy
+from relax_core.multimodal.media import media_limits
+
+MARKER = "PREPARED.json"
+MOE_FIELDS = ("num_experts", "experts_per_token")
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """Everything that determines the starting weights, and nothing else (the cache key)."""
+
+    model: ModelConfig
+    warm_start: WarmStartConfig
+    data: DataConfig
+    seed: int
+    data_fingerprint: str = ""
+    registry_uri: str = ""
+    """The MLflow tracking URI a `models:/<name>/<version>` source is read from."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """An agentic run's env: the warm start learns its demonstration episodes."""
+
+    @classmethod
+    def of(cls, cfg: RunConfig, data_fingerprint: str = "", registry_uri: str = "") -> PolicySpec:
+        return cls(
+            cfg.model, cfg.warm_start, cfg.data, cfg.seed, data_fingerprint, registry_uri, cfg.env
+        )
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys): equal specs give equal text, so it can key a cache."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> PolicySpec:
+        data = json.loads(text)
+        sections = config_from_dict(
+            {
+                "model": data["model"],
+                "warm_start": data["warm_start"],
+                "data": data["data"],
+                "env": data.get("env") or {},
+            }
+        )
+        return cls(
+            sections.model,
+            sections.warm_start,
+            sections.data,
+            data["seed"],
+            data["data_fingerprint"],
+            data.get("registry_uri", ""),
+            sections.env,
+        )
+
+    def key(self) -> str:
+        model = dataclasses.asdict(self.model)
+        if self.model.kind != "tiny-omni":  # the encoder fields shape nothing else
+            model = {k: v for k, v in model.items() if k not in OMNI_FIELDS}
+        else:
+            model["encoders_version"] = ENCODERS_VERSION
+        if not self.model.num_experts:  # the MoE fields shape nothing of a dense policy
+            model = {k: v for k, v in model.items() if k not in MOE_FIELDS}
+        parts: dict[str, object] = {
+            "model": model,
+            "warm_start": dataclasses.asdict(self.warm_start),
+            "seed": self.seed,
+        }
+        if self.registry_uri:
+            parts["registry_uri"] = self.registry_uri
+        if self.warm_start.steps > 0:
+            d = self.data
+            parts["data"] = [d.train_path, d.template, d.system_prompt, self.data_fingerprint]
+            if self.env.name:  # absent otherwise, so single-turn policies keep their keys
+                parts["env"] = dataclasses.asdict(self.env)
+        digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+        name = {"tiny-qwen3": "tiny", "tiny-omni": "omni"}.get(self.model.kind, "pretrained")
+        return f"{name}-{digest}"
+
+
+def prepare_policy(spec: PolicySpec, cache_dir: str) -> str:
+    """Absolute directory of the starting policy for `spec`, built once and then reused."""
+    target = os.path.abspath(os.path.join(cache_dir, spec.key()))
+    if os.path.isfile(os.path.join(target, MARKER)):
+        return target
+    model, tokenizer = _base_model(spec, cache_dir)
+    info: dict[str, object] = {"key": spec.key()}
+    if spec.warm_start.steps > 0:
+        info["warm_start_loss"] = _run_warm_start(spec, model, tokenizer)
+    staging = f"{target}.tmp-{uuid.uuid4().hex}"
+    os.makedirs(staging)
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        with open(os.path.join(staging, MARKER), "w") as f:
+            json.dump(info, f)
+        if os.path.isdir(target):
+            shutil.rmtree(target)
+        os.rename(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _base_model(spec: PolicySpec, cache_dir: str):
+    if spec.model.kind in ("tiny-qwen3", "tiny-omni"):
+        from relax_core.models.tiny import build_char_tokenizer, build_tiny_qwen3
+
+        tokenizer = build_char_tokenizer()
+        if spec.model.kind == "tiny-omni":
+            media_token_id = add_media_token(tokenizer)
+            lm = build_tiny_qwen3(spec.model, len(tokenizer), spec.seed)
+            return TinyOmni(lm, omni_spec(spec.model), media_token_id), tokenizer
+        return build_tiny_qwen3(spec.model, len(tokenizer), spec.seed), tokenizer
+    if spec.model.kind in QWEN_MULTIMODAL:
+        # A Hugging Face id (downloaded to the HF cache) or a directory, as transformers reads it.
+        from relax_core.multimodal.qwen import load_qwen_policy
+
+        return load_qwen_policy(spec.model.source, spec.model.dtype, spec.model.video_fps)
+    if spec.model.source.startswith("models:"):
+        # A registered policy of an earlier run: its HF directory, pinned to one version upstream.
+        from relax_core.tracking.registry import download_policy
+
+        directory = download_policy(
+            spec.registry_uri, spec.model.source, os.path.join(cache_dir, "registry")
+        )
+        return load_policy(directory, spec.model.dtype)
+    from relax_core.models.pretrained import materialize
+
+    directory = materialize(spec.model.source, os.path.join(cache_dir, "hf"))
+    return load_policy(directory, spec.model.dtype)
+
+
+def _run_warm_start(cfg: PolicySpec, model, tokenizer) -> list[float]:
+    from relax_core.data.dataset import load_prompts
+    from relax_core.data.templates import render_prompt
+    from relax_core.train.warm_start import answer_example, warm_start
+
+    rows = load_prompts(cfg.data.train_path)
+    system = cfg.data.system_prompt or None
+    media = None
+    if isinstance(model, TinyOmni):
+        from relax_core.multimodal.inputs import MediaResolver, split_by_media
+
+        usable, _ = split_by_media(rows, MediaResolver(model.spec, media_limits(cfg.data)))
+        rows = [row for row, _ in usable]
+        media = [inputs for _, inputs in usable]
+    prompt_ids = []
+    for row in rows:
+        text = render_prompt(row["prompt"], cfg.data.template, tokenizer, system)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if isinstance(model, TinyOmni):
+            ids = media_placeholders(row, model.spec, model.media_token_id) + ids
+        prompt_ids.append(ids)
+    if cfg.env.name:
+        examples, media = demonstration_examples(cfg, model, tokenizer, rows, prompt_ids, media)
+    else:
+        pairs = zip(rows, prompt_ids, strict=True)
+        examples = [answer_example(tokenizer, ids, row["answer"]) for row, ids in pairs]
+    w = cfg.warm_start
+    losses = warm_start(
+        model, tokenizer, examples, w.steps, w.lr, w.batch_size, cfg.seed, media=media
+    )
+    return [round(x, 4) for x in losses[:: max(1, len(losses) // 20)]]
+
+
+def demonstration_examples(cfg: PolicySpec, model, tokenizer, rows, prompt_ids, media):
+    """Warm-start examples of an agentic run: each row's demonstration played against the env
+    (rollout/demonstrations.py), kept only when the env accepts it as a correct, complete
+    episode. Returns the examples and the media of the rows kept (None for text)."""
+    from relax_core.envs import DEMONSTRATIONS, resolve_env
+    from relax_core.rollout.demonstrations import demonstration_episode
+    from relax_core.rollout.multiturn import EpisodeLimits
+    from relax_core.rollout.observations import ObservationRenderer
+
+    v = cfg.env
+    if v.name not in DEMONSTRATIONS:
+        raise ValueError(
+            f"warm_start.steps: env {v.name!r} ships no demonstrations; the warm start of a "
+            f"multi-turn run needs one of {', '.join(sorted(DEMONSTRATIONS))} (or steps: 0)"
+        )
+    factory = resolve_env(v.name, **v.kwargs)
+    limits = EpisodeLimits(v.max_turns, v.max_episode_tokens)
+    observed = None
+    if isinstance(model, TinyOmni):
+        from relax_core.multimodal.inputs import MediaResolver
+        from relax_core.multimodal.placeholders import OmniPlaceholders
+
+        resolver = MediaResolver(model.spec, media_limits(cfg.data))
+        observed = OmniPlaceholders(resolver, model.spec, model.media_token_id)
+    render = ObservationRenderer(tokenizer, cfg.data.template, observed)
+    examples, kept_media = [], []
+    for i, (row, ids) in enumerate(zip(rows, prompt_ids, strict=True)):
+        turns = DEMONSTRATIONS[v.name](row)
+        ep = demonstration_episode(tokenizer, factory, row, ids, turns, limits, render)
+        if ep.correct and ep.end_reason == "done":
+            examples.append((ids, ep.response_ids, ep.loss_mask))
+            if media is not None:
+                kept_media.append(media[i])
+    if not examples:
+        raise ValueError(
+            f"warm_start.steps: no demonstration of env {v.name!r} fits env.max_turns "
+            f"{v.max_turns} and env.max_episode_tokens {v.max_episode_tokens}"
+        )
+    return examples, (kept_media if media is not None else None)

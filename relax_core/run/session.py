@@ -1,0 +1,137 @@
+"""Everything one colocate run holds while it trains: built from a config and a checkpoint.
+
+A RunSession is the sum of its parts (queue, policy + engine + backend, reference model, prompt
+sources, reward function, tracking) plus the resumable RunState. It knows how to load itself from a
+checkpoint and save itself into one; the controller decides when.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+
+import torch
+
+from relax_core.config import RunConfig
+from relax_core.data.cursor import DatasetCursor
+from relax_core.models.policy import load_policy, load_teacher
+from relax_core.models.routing_replay import attach_routing_replay
+from relax_core.queue import open_queue
+from relax_core.rewards.registry import build_reward
+from relax_core.roles.episodes import env_runner
+from relax_core.roles.media import prompt_source, resolver_for
+from relax_core.rollout.torch_engine import TorchEngine
+from relax_core.sync.inprocess import InProcessSync
+from relax_core.train import checkpoint as ckpt
+from relax_core.train.factory import has_training_state, make_backend
+from relax_core.train.run_state import RunState, save_run_checkpoint
+
+
+class RunSession:
+    def __init__(self, cfg: RunConfig, model_dir: str, state: RunState) -> None:
+        self.cfg = cfg
+        self.state = state
+        if cfg.train.torch_threads:
+            torch.set_num_threads(cfg.train.torch_threads)
+        self.model, self.tokenizer = load_policy(model_dir, cfg.model.dtype)
+        self.pad_token_id = self.tokenizer.pad_token_id
+        self.run_dir = os.path.join(cfg.checkpoint.dir, state.run_id)
+        self.engine = self._engine(cfg, model_dir, state.policy_version)
+        # Async mode trains in its own trainer service: this session evaluates and writes the
+        # first checkpoint, whatever backend that service uses.
+        self.backend_name = "torch" if cfg.mode == "async" else cfg.train.backend
+        self.backend = make_backend(self.model, cfg, self.backend_name)
+        self.sync = InProcessSync([self.engine])
+        self.ref_model = None
+        if cfg.algorithm.kl_coef > 0:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.teacher_model = None
+        if cfg.algorithm.distill_coef > 0:
+            self.teacher_model, _ = load_teacher(
+                cfg.algorithm.teacher, self.tokenizer, cfg.model.dtype
+            )
+        # A GenRM judge shares the prepared-policy cache, so a SmolLM2 policy and judge convert
+        # the GGUF weights once.
+        self.reward_fn = build_reward(
+            cfg.reward,
+            cache_dir=os.path.join(cfg.checkpoint.policy_cache_dir, "hf"),
+            dtype=cfg.model.dtype,
+            seed=cfg.seed,
+        )
+        # Colocate is the only writer of its queue; async roles write concurrently. Colocate
+        # reads each entry back at once, and a resume skips what was written after its
+        # checkpoint (fsynced): an fsync per entry would buy nothing there.
+        colocate = cfg.mode == "colocate"
+        self.queue = open_queue(
+            cfg.queue, state.run_id, multi_writer=not colocate, durable=not colocate
+        )
+        self.media = resolver_for(cfg, self.model)
+        """Rebuilds queue rows' encoder inputs (a multimodal policy); None for text."""
+        self.teacher_media = resolver_for(cfg, self.teacher_model)
+        """The same for the distillation teacher (its own encoders); None for text or none."""
+        self.train_prompts = prompt_source(cfg, "train", self.model, self.tokenizer, self.queue)
+        self.eval_prompts = prompt_source(cfg, "eval", self.model, self.tokenizer, self.queue)
+        self.env = env_runner(cfg, self.model, self.tokenizer)
+        """Plays multi-turn episodes (env.name set); None for a single-turn run."""
+
+    # ------------------------------------------------------------------ checkpoints
+    @classmethod
+    def from_checkpoint(cls, cfg: RunConfig, path: str) -> RunSession:
+        state = RunState.from_dict(ckpt.read_state(path))
+        session = cls(cfg, path, state)
+        if has_training_state(path, session.backend_name):
+            session.backend.load(path)
+        if session.ref_model is not None and state.policy_dir:
+            # The KL anchor is the starting policy, not the checkpoint being resumed.
+            session.ref_model, _ = load_policy(state.policy_dir, cfg.model.dtype)
+            session.ref_model.eval().requires_grad_(False)
+        session._restore_rng()
+        return session
+
+    def _engine(self, cfg: RunConfig, model_dir: str, version: int):
+        if cfg.rollout.engine == "sglang":  # the server takes turns with the trainer
+            from relax_core.rollout.sglang_colocate import start_colocated
+
+            return start_colocated(cfg, model_dir, version, self.run_dir)
+        engine_model = copy.deepcopy(self.model)
+        if cfg.train.routing_replay:  # the engine records the experts the trainer replays
+            attach_routing_replay(engine_model)
+        engine = TorchEngine(
+            engine_model, self.tokenizer.eos_token_id, self.pad_token_id, seed=cfg.seed
+        )
+        engine.version = version
+        return engine
+
+    def _engine_rng(self) -> dict[str, str]:
+        """The torch engine's sampling RNG (an SGLang server keeps its own)."""
+        if not hasattr(self.engine, "generator"):
+            return {}
+        return {"engine": ckpt.encode_rng(self.engine.generator.get_state())}
+
+    def close(self) -> None:
+        """Stop what the session started (an SGLang server)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+    def save_checkpoint(self) -> str:
+        self.state.rng = {
+            "torch": ckpt.encode_rng(torch.get_rng_state()),
+            **self._engine_rng(),
+            "python": random.getstate()[1][:625],
+        }
+
+        return save_run_checkpoint(self.run_dir, self.state, self.cfg, self.backend, self.tokenizer)
+
+    def _restore_rng(self) -> None:
+        rng = self.state.rng
+        if "torch" in rng:
+            torch.set_rng_state(ckpt.decode_rng(rng["torch"]))
+            if "engine" in rng and hasattr(self.engine, "generator"):
+                self.engine.generator.set_state(ckpt.decode_rng(rng["engine"]))
+            random.setstate((3, tuple(rng["python"]), None))
+
+    @property
+    def dataset_cursor(self) -> DatasetCursor:
+        return DatasetCursor.from_dict(self.state.dataset_cursor)

@@ -1,0 +1,52 @@
+"""Which MLflow run a training run logs to, the tracking URI it uses, and the tags that tie it
+to its run id and, in a pod, to its Flyte execution."""
+
+from __future__ import annotations
+
+import os
+from importlib.metadata import version
+
+from relax_core.config import RunConfig
+from relax_core.tracking.monitor import Monitor
+
+
+def tracking_uri_of(cfg: RunConfig) -> str:
+    from relax_core.tracking.mlflow_monitor import default_tracking_uri  # mlflow: seconds
+
+    return cfg.tracking.tracking_uri or default_tracking_uri()
+
+
+def monitor_for(cfg: RunConfig, run_id: str, tracking_run_id: str = "") -> Monitor:
+    """The MLflow run a training run logs to: a new one, or `tracking_run_id` resumed."""
+    from relax_core.tracking.mlflow_monitor import MLflowMonitor  # mlflow: seconds
+
+    return MLflowMonitor(
+        cfg.tracking.tracking_uri or None,
+        cfg.tracking.experiment,
+        run_name=run_id,
+        resume_run_id=tracking_run_id or None,
+    )
+
+
+FLYTE_TAGS = {
+    "flyte.execution_id": "FLYTE_INTERNAL_EXECUTION_ID",
+    "flyte.project": "FLYTE_INTERNAL_EXECUTION_PROJECT",
+    "flyte.domain": "FLYTE_INTERNAL_EXECUTION_DOMAIN",
+    "flyte.workflow": "FLYTE_INTERNAL_EXECUTION_WORKFLOW",
+    "flyte.version": "FLYTE_INTERNAL_TASK_VERSION",
+}
+"""MLflow tag -> the variable Flyte sets in every task pod of an execution (absent in local
+runs). The task version is the version the workflow was registered under."""
+
+
+def run_tags(run_id: str, mode: str) -> dict[str, str]:
+    """Tags of a training run's MLflow run: ours, and the Flyte execution's when in a pod."""
+    tags = {
+        "relax.run_id": run_id,
+        "relax.mode": mode,
+        "relax.version": version("relax-flyte"),
+    }
+    for tag, variable in FLYTE_TAGS.items():
+        if os.environ.get(variable):
+            tags[tag] = os.environ[variable]
+    return tags
