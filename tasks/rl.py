@@ -117,9 +117,9 @@ def policy_spec(cfg_json: str, data_fingerprint: str) -> str:
 @task(**ON_GPU, retries=1, timeout=timedelta(hours=1))
 def start_run(cfg_json: str, policy_dir: str) -> str:
     """New run: held-out eval at step 0 and checkpoint v0. Resume: the checkpoint to continue."""
-    from relax_core.run import run
+    from relax_core.run import lifecycle
 
-    return run.start_run(_cfg(cfg_json), policy_dir)
+    return lifecycle.start_run(_cfg(cfg_json), policy_dir)
 
 
 @task(
@@ -133,10 +133,10 @@ def rl_steps(cfg_json: str, checkpoint: str) -> str:
 
     A retry restarts from the checkpoint it was given plus whatever the failed attempt saved.
     """
-    from relax_core.run import run
+    from relax_core.run import lifecycle
 
     cfg = _cfg(cfg_json)
-    return run.run_steps(cfg, run.newest_checkpoint(checkpoint), cfg.train.steps_per_node)
+    return lifecycle.run_steps(cfg, lifecycle.newest_checkpoint(checkpoint), cfg.train.steps_per_node)
 
 
 @task(
@@ -149,9 +149,9 @@ def async_local(cfg_json: str, checkpoint: str) -> str:
     checkpoint. (flytekit's local execution runs nodes one after another, so role tasks could
     not run side by side there.)"""
     from relax_core.ops.supervisor import run_async_local
-    from relax_core.run import run
+    from relax_core.run import lifecycle
 
-    return run_async_local(_cfg(cfg_json), run.newest_checkpoint(checkpoint))
+    return run_async_local(_cfg(cfg_json), lifecycle.newest_checkpoint(checkpoint))
 
 
 def _serve(role: str, cfg_json: str, checkpoint: str, worker: int = 0) -> None:
@@ -183,10 +183,10 @@ def _serve_ranks(cfg_json: str, checkpoint: str) -> None:
 def trainer_service(cfg_json: str, checkpoint: str) -> str:
     """Async mode on a cluster: the trainer role; returns the final checkpoint. A retry
     resumes from the newest checkpoint with the exact `ready` position."""
-    from relax_core.run import run
+    from relax_core.run import lifecycle
     from relax_core.train.checkpoint import list_checkpoints
 
-    start = run.newest_checkpoint(checkpoint)
+    start = lifecycle.newest_checkpoint(checkpoint)
     if _cfg(cfg_json).services.trainer_gpus > 1:
         _serve_ranks(cfg_json, start)
     else:
@@ -247,10 +247,10 @@ def advantages_service(cfg_json: str, checkpoint: str) -> None:
 def finish_run(cfg_json: str, checkpoint: str) -> RunSummary:
     """Final held-out eval, close the MLflow run, print the summary; the run report (curves,
     staleness histogram, time per role, MLflow link) is this task's Flyte Deck."""
-    from relax_core.run import run
+    from relax_core.run import lifecycle
 
     cfg = _cfg(cfg_json)
-    s = run.finish_run(cfg, checkpoint)
+    s = lifecycle.finish_run(cfg, checkpoint)
     _run_report_deck(cfg, s["mlflow_run_id"])
     return RunSummary(
         run_id=s["run_id"],

@@ -109,7 +109,7 @@ def start_run(cfg: RunConfig, policy_dir: str) -> str:
         # Flyte's cache of prepare_policy can outlive the directory it returned (a deleted work
         # dir, another machine): prepare the same policy again instead of failing on a path.
         from relax_core.data.dataset import fingerprint
-        from relax_core.models.policy import PolicySpec, prepare_policy
+        from relax_core.run.prepare import PolicySpec, prepare_policy
 
         log.warning("prepared policy %s is gone; preparing it again", policy_dir)
         spec = PolicySpec.of(cfg, fingerprint(cfg.data.train_path))
@@ -236,7 +236,7 @@ def compare_with_previous(tracking_uri: str, monitor) -> str | None:
 def policy_spec_for(cfg: RunConfig, data_fingerprint: str):
     """The starting policy's spec; a registry source (`models:/<name>/latest`, `@alias`) is pinned
     to the version it names now, so the cached policy is keyed on exact weights."""
-    from relax_core.models.policy import PolicySpec
+    from relax_core.run.prepare import PolicySpec
 
     if cfg.model.kind != "pretrained" or not cfg.model.source.startswith("models:"):
         return PolicySpec.of(cfg, data_fingerprint)
@@ -261,7 +261,7 @@ def newest_checkpoint(checkpoint: str) -> str:
 def run(cfg: RunConfig) -> dict[str, Any]:
     """The whole run from this process (what the Flyte workflow does node by node)."""
     from relax_core.data.dataset import fingerprint
-    from relax_core.models.policy import prepare_policy
+    from relax_core.run.prepare import prepare_policy
 
     preflight(cfg)
     if cfg.train.torch_threads:

@@ -192,3 +192,38 @@ def test_no_python_file_outside_tests_is_over_400_lines():
         and (n := len((ROOT / f).read_text().splitlines())) > MAX_LINES
     }
     assert long == {}
+
+
+def _named_imports(path: Path) -> list[tuple[int, str, str]]:
+    """(line, module, name) of every `from relax_core... import name`, in functions too."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("relax_core"):
+            out += [(node.lineno, node.module, a.name) for a in node.names]
+    return out
+
+
+def test_every_import_of_relax_core_names_something_that_exists():
+    """Lazy imports included: a moved function fails here, not in the middle of a run."""
+    import importlib
+
+    sources = [
+        p
+        for d in ("relax_core", "tasks", "workflows", "bench", "tests")
+        for p in (ROOT / d).rglob("*.py")
+    ]
+    missing = []
+    for path in sources:
+        for line, module, name in _named_imports(path):
+            try:
+                imported = importlib.import_module(module)
+            except ImportError as exc:
+                if (exc.name or "").startswith("relax_core"):
+                    missing.append(f"{path.relative_to(ROOT)}:{line}: {module} ({exc})")
+                continue  # an optional third-party package (megatron, sglang) not installed
+            if not hasattr(imported, name):
+                try:
+                    importlib.import_module(f"{module}.{name}")
+                except ImportError:
+                    missing.append(f"{path.relative_to(ROOT)}:{line}: {module}.{name}")
+    assert missing == []
