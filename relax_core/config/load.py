@@ -41,10 +41,6 @@ class RunConfig(RunSections):
 # --------------------------------------------------------------------------- loading
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp))
-
-
 def _coerce(value: Any, tp: Any, path: str, errors: list[str]) -> Any:
     """Check `value` against the annotation `tp`; ints are accepted for floats, nothing else."""
     if dataclasses.is_dataclass(tp):

@@ -207,9 +207,6 @@ class SGLangEngine:
     def resume(self) -> None:
         self.client.post("/continue_generation", {})
 
-    def flush_cache(self) -> None:
-        self.client.post("/flush_cache", {})
-
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Colocate on one GPU: free weights and KV cache while the trainer runs."""
         self.client.post_ok("/release_memory_occupation", {"tags": list(tags) if tags else None})

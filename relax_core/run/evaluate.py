@@ -78,7 +78,7 @@ def evaluate_checkpoint(
     registered version), logged to MLflow under the training run that produced the weights."""
     from relax_core.run.colocate import ColocateController
     from relax_core.run.session import RunSession
-    from relax_core.tracking import MLflowMonitor
+    from relax_core.tracking.mlflow_monitor import MLflowMonitor
 
     if not 0 < k <= n_samples:
         raise ValueError(f"evaluate: need 0 < k <= samples, got k={k}, samples={n_samples}")

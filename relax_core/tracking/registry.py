@@ -42,10 +42,6 @@ class RegisteredPolicy:
         return f"models:/{self.name}/{self.version}"
 
 
-def is_model_uri(text: str) -> bool:
-    return text.startswith("models:")
-
-
 def register_policy(
     tracking_uri: str,
     run_id: str,
