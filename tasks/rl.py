@@ -136,7 +136,9 @@ def rl_steps(cfg_json: str, checkpoint: str) -> str:
     from relax_core.run import lifecycle
 
     cfg = _cfg(cfg_json)
-    return lifecycle.run_steps(cfg, lifecycle.newest_checkpoint(checkpoint), cfg.train.steps_per_node)
+    return lifecycle.run_steps(
+        cfg, lifecycle.newest_checkpoint(checkpoint), cfg.train.steps_per_node
+    )
 
 
 @task(

@@ -3,7 +3,7 @@
 With `media` (a multimodal policy; multimodal/placeholders.py) a prompt shows its row's media at
 the start of the user's message: the policy's placeholder tokens go where the prompt text starts
 (the 'plain' template: the very start; 'chat': after the template's user-turn header), and an
-item carries the media's encoder inputs. services/media.py builds such sources."""
+item carries the media's encoder inputs. roles/media.py builds such sources."""
 
 from __future__ import annotations
 

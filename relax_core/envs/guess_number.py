@@ -30,7 +30,7 @@ class GuessNumberEnv:
     """One game; the hidden number is the row's answer, the range 1..meta.high."""
 
     def __init__(self, max_guesses: int | str = 6, turn_penalty: float | str = 0.1) -> None:
-        # Config kwargs arrive as strings (config.py keeps mappings as str -> str).
+        # Config kwargs arrive as strings (config/load.py keeps mappings as str -> str).
         self.max_guesses = int(max_guesses)
         self.turn_penalty = float(turn_penalty)
         if self.max_guesses < 1:

@@ -194,7 +194,7 @@ OMNI_FIELDS = (
 
 
 def omni_spec(model_cfg: Any) -> OmniSpec:
-    """The encoders' input spec from a ModelConfig (config.py)."""
+    """The encoders' input spec from a ModelConfig (config/sections.py)."""
     m = model_cfg
     return OmniSpec(
         image_size=m.image_size,

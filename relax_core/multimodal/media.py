@@ -49,7 +49,7 @@ class MediaLimits:
 
 
 def media_limits(data_cfg: Any) -> MediaLimits:
-    """The limits a run's DataConfig (config.py) sets."""
+    """The limits a run's DataConfig (config/sections.py) sets."""
     d = data_cfg
     return MediaLimits(
         max_bytes=d.max_media_bytes,

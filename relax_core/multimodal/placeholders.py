@@ -1,7 +1,7 @@
 """Where a multimodal policy's media sit in its text: placeholder tokens, and the encoder inputs
 that fill them.
 
-A prompt (services/prompts.py) or an env observation (rollout/observations.py) that shows media
+A prompt (data/prompts.py) or an env observation (rollout/observations.py) that shows media
 holds, where it shows them, the placeholder tokens the policy writes its encoded media over:
 - `OmniPlaceholders` (models/omni.py): `spec.tokens_for(kind)` `<media>` tokens per medium;
 - `QwenPlaceholders` (multimodal/qwen): per medium its start token, as many placeholders as the

@@ -1,6 +1,6 @@
 """TransferQueue: the append-only, multi-writer data bus between roles, on one storage prefix.
 
-Layout under `{root}/{run_id}/` (see ARCHITECTURE.md, "The data bus"):
+Layout under `{root}/{run_id}/` (docs/queue.md has every prefix):
   log/{stage}/{seq:020d}      commit record, created only if absent: a JSON header line, then
                               the payload itself (whole groups, Arrow IPC, zstd) when it is at
                               most inline_max_bytes (record.py)

@@ -19,7 +19,6 @@ from relax_core.rollout.engine import SamplingParams
 log = logging.getLogger(__name__)
 
 
-
 def serve(ctx) -> None:
     """The rollout service: admit groups under the staleness bound, generate, score, append.
 

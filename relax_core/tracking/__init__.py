@@ -18,4 +18,3 @@ __all__ = [
     "flatten_params",
     "format_summary",
 ]
-

@@ -1,4 +1,4 @@
-"""The rollout of an agentic run (services/env_rollout.py): groups of episodes become queue rows
+"""The rollout of an agentic run (roles/episodes.py): groups of episodes become queue rows
 that keep each episode's masks, rewards and failures, with the rollout's episode metrics."""
 
 from __future__ import annotations

@@ -70,7 +70,15 @@ def test_missing_run_is_an_error_naming_it(tmp_path, capsys) -> None:
 def test_relax_console_script_runs_the_same_command(tmp_path) -> None:
     _run_queue(str(tmp_path))
     out = subprocess.run(
-        [sys.executable, "-m", "relax_core.entrypoints.cli", "queue", str(tmp_path), "--run", "run-a"],
+        [
+            sys.executable,
+            "-m",
+            "relax_core.entrypoints.cli",
+            "queue",
+            str(tmp_path),
+            "--run",
+            "run-a",
+        ],
         capture_output=True,
         text=True,
         check=True,

@@ -38,13 +38,13 @@ def _qwen3_omni_audio_tokens(feature_frames: int, n_window: int) -> int:
 @dataclass(frozen=True)
 class Family:
     kind: str
-    """The `model.kind` of run configs (config_checks.MODEL_KINDS)."""
+    """The `model.kind` of run configs (config/checks.py MODEL_KINDS)."""
     model_class: str
     """The transformers class of the policy (a thinker for the Omni models: text out only)."""
     model_types: tuple[str, ...]
     """`config.json` model_type values this family loads (a full Omni checkpoint included)."""
     modalities: tuple[str, ...]
-    """Media kinds the model reads (config_checks.MODALITIES: known without importing torch)."""
+    """Media kinds the model reads (config/checks.py MODALITIES: known without importing torch)."""
     rope: str
     """'token_types': get_rope_index reads mm_token_type_ids (VL); 'omni': it scans token ids."""
     frame_timestamps: bool = False
