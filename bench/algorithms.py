@@ -54,7 +54,7 @@ VARIANTS: dict[str, dict] = {
 
 
 def run_variant(base, name: str, overrides: dict, root: str, steps: int, teacher: str):
-    from relax_core.services.run import run
+    from relax_core.run.lifecycle import run
 
     sections = {k: dict(v) for k, v in overrides.items()}
     if sections.get("algorithm", {}).get("teacher") == "TEACHER":

@@ -38,6 +38,8 @@ import time
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
+from bench.common import prepared_policy, repo_data, work_sections, write_config
+
 
 def _cores() -> int:
     return len(os.sched_getaffinity(0))
@@ -50,31 +52,16 @@ def _config(path: str, work: str, steps: int, **over):
     return replace(
         cfg,
         train={"total_steps": steps, **over.pop("train", {})},
-        queue={"root": os.path.join(work, "queue")},
-        checkpoint={
-            "dir": os.path.join(work, "checkpoints"),
-            "policy_cache_dir": os.path.join(REPO, ".relax", "policies"),
-        },
-        tracking={
-            "tracking_uri": f"sqlite:///{work}/mlflow.db",
-            "progress": False,
-            "experiment": "bench-async",
-        },
-        data={
-            "train_path": os.path.join(REPO, cfg.data.train_path),
-            "eval_path": os.path.join(REPO, cfg.data.eval_path),
-        },
+        **work_sections(work, experiment="bench-async"),
+        **repo_data(cfg),
         **over,
     )
 
 
 def _start(cfg) -> str:
-    from relax_core.data.dataset import fingerprint
-    from relax_core.models.policy import PolicySpec, prepare_policy
-    from relax_core.services.run import start_run
+    from relax_core.run.lifecycle import start_run
 
-    spec = PolicySpec.of(cfg, fingerprint(cfg.data.train_path))
-    return start_run(cfg, prepare_policy(spec, cfg.checkpoint.policy_cache_dir))
+    return start_run(cfg, prepared_policy(cfg))
 
 
 def _children_cpu() -> float:
@@ -83,15 +70,11 @@ def _children_cpu() -> float:
 
 
 def run_colocate(cfg, work: str) -> dict:
-    from relax_core.config import config_to_dict
-
     checkpoint = _start(cfg)
-    cfg_path = os.path.join(work, "colocate.json")
-    with open(cfg_path, "w") as f:
-        json.dump(config_to_dict(cfg), f)
+    cfg_path = write_config(cfg, os.path.join(work, "colocate.json"))
     code = (
-        "import sys; from relax_core.services.role import load_run_config; "
-        "from relax_core.services.run import run_steps; "
+        "import sys; from relax_core.roles.service import load_run_config; "
+        "from relax_core.run.lifecycle import run_steps; "
         "cfg = load_run_config(sys.argv[1]); "
         "print(run_steps(cfg, sys.argv[2], cfg.train.total_steps))"
     )
@@ -106,7 +89,7 @@ def run_colocate(cfg, work: str) -> dict:
 
 
 def run_async(cfg, work: str) -> dict:
-    from relax_core.services.supervisor import run_async_local
+    from relax_core.ops.supervisor import run_async_local
 
     checkpoint = _start(cfg)
     t0, wall0 = time.perf_counter(), time.time()
@@ -120,7 +103,7 @@ def run_async(cfg, work: str) -> dict:
 def _finish(cfg, checkpoint: str, wall: float, cpu: float, roles, wall0: float) -> dict:
     import mlflow
 
-    from relax_core.services.run import finish_run
+    from relax_core.run.lifecycle import finish_run
     from relax_core.train.checkpoint import read_state
 
     summary = finish_run(cfg, checkpoint)

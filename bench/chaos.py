@@ -2,11 +2,11 @@
 left alone.
 
 Both runs are `configs/cpu-async.yaml` for `--steps` steps (checkpoints every 20), from the same
-cached warm-started policy, one after the other on this machine, through
-`python -m relax_core.services.run` (the local supervisor restarts what dies). During the chaos
-run a seeded random role (trainer, rollout or advantages) is killed every `--every` seconds
-(+-30%). After it, the exactly-once audit (`relax_core/services/audit.py`) counts groups lost
-(committed by rollout, neither trained nor still queued) and groups trained twice.
+cached warm-started policy, one after the other on this machine, each a whole local run in a
+child process (`python -m` of `bench.common.LAUNCHER`: the local supervisor restarts what dies).
+During the chaos run a seeded random role (trainer, rollout or advantages) is killed every
+`--every` seconds (+-30%). After it, the queue's exactly-once audit (`audit_run`) counts groups
+lost (committed by rollout, neither trained nor still queued) and groups trained twice.
 
     python bench/chaos.py [--steps 100] [--every 30] [--seed 0]
 
@@ -33,39 +33,21 @@ import time
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
+from bench.common import start_local_run, work_sections, write_config
+
 VICTIMS = ("trainer", "rollout", "advantages")
 
 
 def _config(work: str, name: str, steps: int) -> str:
-    from relax_core.config import config_to_dict, load_config, replace
+    from relax_core.config import load_config, replace
 
     cfg = replace(
         load_config(os.path.join(REPO, "configs", "cpu-async.yaml")),
         run_name=name,
         train={"total_steps": steps, "checkpoint_every": 20, "eval_every": 25},
-        queue={"root": os.path.join(work, "queue")},
-        checkpoint={
-            "dir": os.path.join(work, "checkpoints"),
-            "policy_cache_dir": os.path.join(REPO, ".relax", "policies"),
-        },
-        tracking={"tracking_uri": f"sqlite:///{work}/mlflow.db", "progress": False},
+        **work_sections(work),
     )
-    path = os.path.join(work, f"{name}.json")
-    with open(path, "w") as f:
-        json.dump(config_to_dict(cfg), f)
-    return path
-
-
-def _start(cfg_path: str, log_path: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO}
-    with open(log_path, "w") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "relax_core.services.run", "--cfg", cfg_path],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=REPO,
-        )
+    return write_config(cfg, os.path.join(work, f"{name}.json"))
 
 
 def _live_roles(work: str) -> dict[str, int]:
@@ -122,14 +104,14 @@ def main() -> None:
     args = parser.parse_args()
 
     from relax_core.queue import TransferQueue
-    from relax_core.services.audit import audit_run
+    from relax_core.queue.audit import audit_run
 
     work = tempfile.mkdtemp(prefix="relax-chaos-")
     rng = random.Random(args.seed)
     runs = {}
     for name, chaos in (("calm", False), ("chaos", True)):
         print(f"{name}: {args.steps} steps", flush=True)
-        proc = _start(_config(work, name, args.steps), os.path.join(work, f"{name}.log"))
+        proc = start_local_run(_config(work, name, args.steps), os.path.join(work, f"{name}.log"))
         kills = _chaos(proc, work, args.every, rng) if chaos else []
         if proc.wait() != 0:
             sys.exit(f"{name} run failed; see {os.path.join(work, name + '.log')}")

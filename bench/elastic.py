@@ -1,7 +1,7 @@
 """Elastic rollout: one async CPU run scaled out from 1 to N engines and back in, mid-run.
 
-The run is `configs/cpu-async.yaml` (overrides below), started through `python -m
-relax_core.services.run` (the local launcher and its scaling API). Through the API
+The run is `configs/cpu-async.yaml` (overrides below), a whole local run in a child process
+(`python -m` of `bench.common.LAUNCHER`: the local launcher and its scaling API). Through the API
 (`ScaleClient`, what `relax scale` uses), when the trainer reaches a third of `--steps` the pool
 grows to `--engines`, and at two thirds it shrinks back to 1. Rollout throughput is measured per
 phase from the rollout stage's own commit records (groups and generated tokens committed per
@@ -35,9 +35,11 @@ import time
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
+from bench.common import start_local_run, work_sections, write_config
+
 
 def _config(work: str, args: argparse.Namespace) -> str:
-    from relax_core.config import config_to_dict, load_config, replace
+    from relax_core.config import load_config, replace
 
     cfg = replace(
         load_config(os.path.join(REPO, "configs", "cpu-async.yaml")),
@@ -45,22 +47,14 @@ def _config(work: str, args: argparse.Namespace) -> str:
         rollout={"max_new_tokens": args.max_new_tokens, "max_staleness": args.staleness},
         warm_start={"steps": args.warm_start_steps},
         train={"total_steps": args.steps, "checkpoint_every": args.steps, "eval_every": 0},
-        queue={"root": os.path.join(work, "queue")},
-        checkpoint={
-            "dir": os.path.join(work, "checkpoints"),
-            "policy_cache_dir": os.path.join(REPO, ".relax", "policies"),
-        },
-        tracking={"tracking_uri": f"sqlite:///{work}/mlflow.db", "progress": False},
+        **work_sections(work),
         reward={"name": "bench.remote_verifier:score" if args.reward_latency_ms else "math"},
         services={
             "max_rollout_workers": max(args.engines, 1),
             "rollout_batch_groups": args.batch_groups,
         },
     )
-    path = os.path.join(work, "elastic.json")
-    with open(path, "w") as f:
-        json.dump(config_to_dict(cfg), f)
-    return path
+    return write_config(cfg, os.path.join(work, "elastic.json"))
 
 
 def _wait(what: str, check, proc: subprocess.Popen, timeout: float = 900.0):
@@ -115,24 +109,16 @@ def main() -> None:
     parser.add_argument("--settle-s", type=float, default=3.0, help="skipped after each change")
     args = parser.parse_args()
 
+    from relax_core.ops.scale_client import ScaleClient
     from relax_core.queue import TransferQueue
-    from relax_core.services.audit import audit_run
-    from relax_core.services.scale_client import ScaleClient
+    from relax_core.queue.audit import audit_run
     from relax_core.train.checkpoint import find_resume_checkpoint, read_state
 
     work = tempfile.mkdtemp(prefix="relax-elastic-")
     log_path = os.path.join(work, "run.log")
     print(f"run: {args.steps} steps, work dir {work}", flush=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO}
-    env["RELAX_BENCH_REWARD_LATENCY_MS"] = str(args.reward_latency_ms)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "relax_core.services.run", "--cfg", _config(work, args)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=REPO,
-        )
+    latency = str(args.reward_latency_ms)
+    proc = start_local_run(_config(work, args), log_path, RELAX_BENCH_REWARD_LATENCY_MS=latency)
     pattern = os.path.join(work, "checkpoints", "*", "scale_api.json")
     run_dir = os.path.dirname(_wait("the scaling API", lambda: glob.glob(pattern), proc)[0])
     queue = TransferQueue(os.path.join(work, "queue"), os.path.basename(run_dir))

@@ -1,9 +1,9 @@
 """Flyte local overhead: the same CPU-default run through `pyflyte run` and without Flyte.
 
-Alternates `pyflyte run workflows/train.py train --cfg C` and
-`python -m relax_core.services.run --cfg C` (same config, each in a fresh empty work directory
-with the warm-started policy pre-seeded in its cache, so neither pays for the warm start), and
-reports wall times and the overhead share.
+Alternates `pyflyte run workflows/train.py train --cfg C` and `python -m <launcher> --cfg C`
+(`bench.common.LAUNCHER`: the same run without Flyte), same config, each in a fresh empty work
+directory with the warm-started policy pre-seeded in its cache, so neither pays for the warm
+start, and reports wall times and the overhead share.
 
     python bench/flyte_overhead.py [--rounds 2] [--cfg configs/cpu-default.yaml]
 
@@ -26,6 +26,7 @@ import subprocess
 import tempfile
 import time
 
+from bench.common import LAUNCHER
 from relax_core.config import load_config
 
 
@@ -70,7 +71,7 @@ def main() -> None:
         "--cfg",
         os.path.abspath(args.cfg),
     ]
-    plain = [sys.executable, "-m", "relax_core.services.run", "--cfg", os.path.abspath(args.cfg)]
+    plain = [sys.executable, "-m", LAUNCHER, "--cfg", os.path.abspath(args.cfg)]
     rows = []
     for i in range(args.rounds):
         order = [("flyte", flyte), ("plain", plain)]
@@ -83,7 +84,7 @@ def main() -> None:
             file=sys.stderr,
             flush=True,
         )
-    print("| round | pyflyte run (s) | python -m relax_core.services.run (s) | overhead |")
+    print(f"| round | pyflyte run (s) | python -m {LAUNCHER} (s) | overhead |")
     print("| --- | --- | --- | --- |")
     shares = []
     for i, w in enumerate(rows):

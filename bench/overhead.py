@@ -30,11 +30,13 @@ import time
 import torch
 from transformers import DynamicCache
 
+from bench.common import prepared_policy
 from relax_core.config import load_config, replace
-from relax_core.data.dataset import fingerprint, load_prompts
-from relax_core.models.policy import PolicySpec, load_policy, prepare_policy
-from relax_core.services.colocate import ColocateController
-from relax_core.services.session import RunSession, RunState
+from relax_core.data.dataset import load_prompts
+from relax_core.models.policy import load_policy
+from relax_core.run.colocate import ColocateController
+from relax_core.run.session import RunSession
+from relax_core.train.run_state import RunState
 
 
 class BareLoop:
@@ -110,8 +112,7 @@ def main() -> None:
         checkpoint={"dir": os.path.join(work, "ckpt")},
         train={"total_steps": 10_000},
     )
-    spec = PolicySpec.of(cfg, fingerprint(cfg.data.train_path))
-    policy = prepare_policy(spec, cfg.checkpoint.policy_cache_dir)
+    policy = prepared_policy(cfg)
     session = RunSession(cfg, policy, RunState(run_id="bench-overhead"))
     engine = ColocateController(session)
     model, tok = load_policy(policy)

@@ -36,7 +36,7 @@ from relax_core.models.tiny import build_char_tokenizer, build_tiny_qwen3
 from relax_core.queue import rows_to_table
 from relax_core.rollout.engine import SamplingParams
 from relax_core.rollout.torch_engine import TorchEngine
-from relax_core.services.batching import table_micro_batches
+from relax_core.train.batching import table_micro_batches
 from relax_core.train.torch_backend import TorchBackend
 
 MODEL = ModelConfig(

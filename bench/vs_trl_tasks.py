@@ -1,0 +1,68 @@
+"""bench/vs_trl.py's tasks and the run config both sides are built from."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from bench.common import REPO, repo_data, work_sections
+
+G = 8  # samples per prompt (group size)
+NEW_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class Task:
+    cfg: str
+    steps: int
+    eval_every: int
+    target: float
+    """Held-out greedy accuracy whose first crossing times `time to target`."""
+    warmup: int
+    """First steps left out of the per-step figures."""
+
+
+TASKS = {
+    "tiny": Task("configs/cpu-default.yaml", steps=50, eval_every=10, target=0.30, warmup=2),
+    "smollm2": Task("configs/smollm2-135m-cpu.yaml", steps=4, eval_every=2, target=0.9, warmup=1),
+}
+
+
+def bench_config(task: str, work: str, steps: int, eval_every: int, mode: str = "colocate"):
+    """The task's config with the bench's shape: 32 new tokens, paths under `work`."""
+    from relax_core.config import load_config, replace
+
+    cfg = load_config(os.path.join(REPO, TASKS[task].cfg))
+    over: dict[str, Any] = {}
+    if mode == "async":
+        # The async variant of this task: cpu-async.yaml's role layout and stale-row handling.
+        a = load_config(os.path.join(REPO, "configs", "cpu-async.yaml"))
+        over = {
+            "mode": "async",
+            "services": {
+                "launch": a.services.launch,
+                "weight_sync": a.services.weight_sync,
+                "rollout_threads": a.services.rollout_threads,
+                "trainer_threads": a.services.trainer_threads,
+            },
+            "algorithm": {"proximal": a.algorithm.proximal},
+        }
+    return replace(
+        cfg,
+        run_name=f"vs-trl-{task}-{mode}",
+        rollout={
+            "max_new_tokens": NEW_TOKENS,
+            "n_samples_per_prompt": G,
+            **({"max_staleness": 1} if mode == "async" else {}),
+        },
+        train={
+            "total_steps": steps,
+            "eval_every": eval_every,
+            "checkpoint_every": 10_000,
+            "steps_per_node": 10_000,
+        },
+        **work_sections(work, experiment="bench-vs-trl", registered_model=""),
+        **repo_data(cfg),
+        **over,
+    )
