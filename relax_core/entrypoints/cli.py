@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 
 from relax_core.entrypoints import queue as queue_cli
+from relax_core.entrypoints import scale as scale_cli
 
 ACCURACY_METRIC = "eval/accuracy"
 
@@ -54,16 +55,10 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_scale(args: argparse.Namespace) -> int:
-    from relax_core.ops import scale_client
-
-    return scale_client.run(args)
-
-
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "queue": queue_cli.run,
     "compare": run_compare,
-    "scale": run_scale,
+    "scale": scale_cli.run,
 }
 
 
@@ -76,9 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     add_compare_arguments(
         commands.add_parser("compare", help="print the MLflow UI URL comparing two or more runs")
     )
-    from relax_core.ops import scale_client
-
-    scale_client.add_arguments(
+    scale_cli.add_arguments(
         commands.add_parser("scale", help="show, grow or shrink a running run's rollout engines")
     )
     args = parser.parse_args(argv)

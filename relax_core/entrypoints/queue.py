@@ -1,4 +1,4 @@
-"""`python -m relax_core.queue ROOT [--run RUN_ID]` (also `relax queue`): inspect a run's queue."""
+"""`relax queue ROOT [--run RUN_ID] [--json]`: inspect a run's queue, or list the runs under ROOT."""
 
 from __future__ import annotations
 
@@ -46,13 +46,3 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render(summary))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="relax queue", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

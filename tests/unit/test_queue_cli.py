@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from relax_core.entrypoints.queue import main
+from relax_core.entrypoints.cli import main as relax
 from relax_core.queue import StageWorker, TransferQueue, rows_to_table
 from tests.unit.test_queue import _group_rows
 
@@ -33,7 +33,7 @@ def test_summary_shows_backlog_staleness_quarantine_and_heartbeats(tmp_path, cap
     with open(queue.store.full_path(queue.record("rollout", 4)["payload"]), "wb") as f:
         f.write(b"not arrow")
     queue.entry("rollout", 4)
-    assert main([str(tmp_path), "--run", "run-a"]) == 0
+    assert relax(["queue", str(tmp_path), "--run", "run-a"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
     rollout = next(line for line in lines if line.startswith("rollout "))
@@ -51,9 +51,9 @@ def test_summary_shows_backlog_staleness_quarantine_and_heartbeats(tmp_path, cap
 
 def test_json_summary_and_run_listing(tmp_path, capsys) -> None:
     _run_queue(str(tmp_path))
-    assert main([str(tmp_path), "--json"]) == 0
+    assert relax(["queue", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == ["run-a"]
-    assert main([str(tmp_path), "--run", "run-a", "--json"]) == 0
+    assert relax(["queue", str(tmp_path), "--run", "run-a", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     ready = summary["stages"]["ready"]
     assert (ready["entries"], ready["groups"]) == (3, 9)
@@ -63,7 +63,7 @@ def test_json_summary_and_run_listing(tmp_path, capsys) -> None:
 
 def test_missing_run_is_an_error_naming_it(tmp_path, capsys) -> None:
     _run_queue(str(tmp_path))
-    assert main([str(tmp_path), "--run", "nope"]) == 1
+    assert relax(["queue", str(tmp_path), "--run", "nope"]) == 1
     assert "no queue entries for run 'nope'" in capsys.readouterr().err
 
 
