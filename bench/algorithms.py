@@ -7,6 +7,7 @@ rows use the GRPO row's final policy as the teacher for a student starting from 
 warm start: with rewards (GRPO + distillation term) and with the teacher as the only signal.
 
     python bench/algorithms.py [--steps 200] [--only grpo,sapo]
+    python bench/algorithms.py --mode async --staleness 4     # the off-policy corrections
 
 Last line: `headline: min_gain = X` (the smallest held-out accuracy gain, in points).
 """
@@ -48,8 +49,49 @@ VARIANTS: dict[str, dict] = {
         "algorithm": {"loss_agg": "dr_grpo", "eps_clip_high": 0.28},
         "rollout": {"dynamic_sampling": True},
     },
+    "cispo": {"algorithm": {"loss": "cispo"}},
+    "gmpo": {
+        "algorithm": {
+            "loss": "gmpo",
+            "eps_clip": 0.33,
+            "eps_clip_high": 0.49,
+            "loss_agg": "seq_mean_token_mean",
+        }
+    },
+    "grpo+icepop": {"algorithm": {"is_mode": "icepop"}},
+    "grpo+opsm": {"algorithm": {"seq_mask": "kl"}},
+    "grpo+geometric_mis": {"algorithm": {"is_mode": "mis", "is_level": "geometric"}},
+    "rloo": {"algorithm": {"advantage": "rloo", "normalize_adv_std": False}},
+    "reinforce_pp": {"algorithm": {"advantage": "reinforce_pp", "advantage_level": "token"}},
+    "reinforce_pp_baseline": {"algorithm": {"advantage": "reinforce_pp_baseline"}},
     "grpo+distill": {"algorithm": {"distill_coef": 0.5, "teacher": "TEACHER"}},
     "distill only": {"algorithm": {"advantage": "none", "distill_coef": 1.0, "teacher": "TEACHER"}},
+}
+
+
+# `--mode async`: configs/cpu-async.yaml at `--staleness` with each off-policy correction. The
+# proximal policy is interpolated by version (the ratio of a stale row starts at 1), so what
+# bounds a stale update is the correction; "behaviour" (the shipped cpu-async setting) clips
+# against the policy that generated the rows instead, and "none" corrects nothing.
+ASYNC_VARIANTS: dict[str, dict] = {
+    "grpo (behaviour clip)": {"algorithm": {"proximal": "behaviour"}},
+    "grpo (no correction)": {"algorithm": {"proximal": "interpolate"}},
+    "grpo+tis": {"algorithm": {"proximal": "interpolate", "is_mode": "tis"}},
+    "grpo+icepop": {"algorithm": {"proximal": "interpolate", "is_mode": "icepop"}},
+    "grpo+geometric_mis": {
+        "algorithm": {"proximal": "interpolate", "is_mode": "mis", "is_level": "geometric"}
+    },
+    "grpo+opsm": {"algorithm": {"proximal": "interpolate", "seq_mask": "kl"}},
+    "cispo (behaviour)": {"algorithm": {"loss": "cispo", "proximal": "behaviour"}},
+    "gmpo (behaviour)": {
+        "algorithm": {
+            "loss": "gmpo",
+            "proximal": "behaviour",
+            "eps_clip": 0.33,
+            "eps_clip_high": 0.49,
+            "loss_agg": "seq_mean_token_mean",
+        }
+    },
 }
 
 
@@ -85,24 +127,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--only", default="", help="comma-separated variant names")
-    parser.add_argument("--cfg", default=os.path.join(REPO, "configs", "cpu-default.yaml"))
+    parser.add_argument("--cfg", default="", help="default: cpu-default (cpu-async with async)")
+    parser.add_argument("--mode", choices=("colocate", "async"), default="colocate")
+    parser.add_argument("--staleness", type=int, default=4, help="max_staleness with --mode async")
     args = parser.parse_args()
     os.chdir(REPO)  # dataset paths in the config are relative to the repo
-    base = load_config(args.cfg)
-    base = replace(base, train={"torch_threads": 2})
-    names = [n for n in VARIANTS if not args.only or n in args.only.split(",")]
+    default = "cpu-async.yaml" if args.mode == "async" else "cpu-default.yaml"
+    base = load_config(args.cfg or os.path.join(REPO, "configs", default))
+    if args.mode == "async":
+        base = replace(base, rollout={"max_staleness": args.staleness})
+    else:
+        base = replace(base, train={"torch_threads": 2})
+    variants = ASYNC_VARIANTS if args.mode == "async" else VARIANTS
+    names = [n for n in variants if not args.only or n in args.only.split(",")]
     root = tempfile.mkdtemp(prefix="bench-algorithms-")
     rows, teacher = [], ""
     for name in names:
-        if "TEACHER" in str(VARIANTS[name]) and not teacher:
+        if "TEACHER" in str(variants[name]) and not teacher:
             _, _, teacher = run_variant(base, "teacher", {}, root, args.steps, "")
-        summary, wall, final = run_variant(base, name, VARIANTS[name], root, args.steps, teacher)
+        summary, wall, final = run_variant(base, name, variants[name], root, args.steps, teacher)
         if name == "grpo":
             teacher = final
         before, after = summary["eval_accuracy_before"], summary["eval_accuracy_after"]
         rows.append((name, before, after, wall))
         print(f"{name}: {before:.3f} -> {after:.3f} in {wall:.0f} s", file=sys.stderr, flush=True)
-    print(f"\n{args.steps} RL steps each on the CPU default; held-out greedy accuracy (256 pairs)")
+    where = f"async, max_staleness {args.staleness}" if args.mode == "async" else "colocate"
+    print(f"\n{args.steps} RL steps each ({where}); held-out greedy accuracy (256 pairs)")
     print("| algorithm | before | after | gain (points) | wall s |")
     print("| --- | --- | --- | --- | --- |")
     for name, before, after, wall in rows:

@@ -1,4 +1,10 @@
-"""Group-relative advantages (GRPO): rewards compared with the other responses to a prompt."""
+"""Advantage estimators: one advantage per response from its reward, compared with the other
+responses to its prompt (GRPO, RLOO) or with the whole batch (REINFORCE++).
+
+Every estimator takes ``(rewards [N], group_index [N], normalize_std, lengths=None)`` and returns
+[N]; ``lengths`` (trained tokens per response) weigh the batch statistics of REINFORCE++ per
+token instead of per response when given.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +29,11 @@ def _check_groups(rewards: Tensor, group_index: Tensor) -> None:
 
 
 def grpo_advantages(
-    rewards: Tensor, group_index: Tensor, normalize_std: bool = True, eps: float = 1e-6
+    rewards: Tensor,
+    group_index: Tensor,
+    normalize_std: bool = True,
+    lengths: Tensor | None = None,
+    eps: float = 1e-6,
 ) -> Tensor:
     """Advantages ``(r - mean_g) / (std_g + eps)`` where g is the group of each reward.
 
@@ -35,23 +45,112 @@ def grpo_advantages(
     equal, including a group of one, gets advantage 0: it carries no signal about which
     response is better. With ``normalize_std=False`` the result is ``r - mean_g`` (Dr. GRPO).
     """
-    _check_groups(rewards, group_index)
-    values = rewards if rewards.is_floating_point() else rewards.float()
+    del lengths
+    values, centered, counts, index = _group_centered(rewards, group_index)
     if values.numel() == 0:
         return values.clone()
-    index = group_index.long()
-    num_groups = int(index.max()) + 1
-    zeros = torch.zeros(num_groups, dtype=values.dtype, device=values.device)
-    # clamp: ids that are skipped (no rows) would otherwise divide by zero; they are never read.
-    counts = zeros.index_add(0, index, torch.ones_like(values)).clamp(min=1)
-    means = zeros.index_add(0, index, values) / counts
-    centered = values - means[index]
     if not normalize_std:
         return centered
     # Two-pass variance (mean of squared deviations) stays exact for large, nearly equal rewards.
-    variances = zeros.index_add(0, index, centered * centered) / counts
+    variances = torch.zeros_like(counts).index_add(0, index, centered * centered) / counts
     stds = variances.sqrt()
     return centered / (stds[index] + eps)
+
+
+def _group_centered(rewards: Tensor, group_index: Tensor):
+    """(rewards as float, r - mean of its group, rows per group [G], index) of [N] rewards."""
+    _check_groups(rewards, group_index)
+    values = rewards if rewards.is_floating_point() else rewards.float()
+    if values.numel() == 0:
+        return values, values, values, group_index.long()
+    index = group_index.long()
+    zeros = torch.zeros(int(index.max()) + 1, dtype=values.dtype, device=values.device)
+    # clamp: ids that are skipped (no rows) would otherwise divide by zero; they are never read.
+    counts = zeros.index_add(0, index, torch.ones_like(values)).clamp(min=1)
+    means = zeros.index_add(0, index, values) / counts
+    return values, values - means[index], counts, index
+
+
+def rloo_advantages(
+    rewards: Tensor,
+    group_index: Tensor,
+    normalize_std: bool = True,
+    lengths: Tensor | None = None,
+    eps: float = 1e-6,
+) -> Tensor:
+    """RLOO (Ahmadian et al., arXiv 2402.14740, Eq. 6): each response's baseline is the mean of
+    the other responses to its prompt, ``A_i = r_i - mean_{j != i} r_j = G/(G-1) * (r_i - mean_g)``
+    for a group of G: unbiased, unlike GRPO's own-inclusive mean. The published estimator is
+    ``normalize_std=False``; with it True the result is also divided by the group's std, as GRPO
+    does. A group of one gets 0.
+
+    Example: rewards [1, 0, 0] in one group, not normalized: mean 1/3, G/(G-1) = 3/2, so
+    A = [1, -1/2, -1/2] (= 1 - 0, 0 - 1/2, 0 - 1/2).
+    """
+    del lengths
+    values, centered, counts, index = _group_centered(rewards, group_index)
+    if values.numel() == 0:
+        return values.clone()
+    g = counts[index]
+    loo = torch.where(g > 1, centered * g / (g - 1).clamp(min=1), torch.zeros_like(centered))
+    if not normalize_std:
+        return loo
+    variances = torch.zeros_like(counts).index_add(0, index, centered * centered) / counts
+    return loo / (variances.sqrt()[index] + eps)
+
+
+def _batch_whiten(values: Tensor, lengths: Tensor | None, eps: float = 1e-6) -> Tensor:
+    """(values - mean) / (std + eps) over the batch; weighted by ``lengths`` when given."""
+    if values.numel() == 0:
+        return values.clone()
+    w = torch.ones_like(values) if lengths is None else lengths.to(values.dtype)
+    total = w.sum().clamp(min=1e-12)
+    mean = (w * values).sum() / total
+    std = ((w * (values - mean) ** 2).sum() / total).sqrt()
+    return (values - mean) / (std + eps)
+
+
+def reinforce_pp_advantages(
+    rewards: Tensor,
+    group_index: Tensor,
+    normalize_std: bool = True,
+    lengths: Tensor | None = None,
+) -> Tensor:
+    """REINFORCE++ (Hu et al., arXiv 2501.03262, Sec. 3): no critic and no group baseline; the
+    rewards are whitened over the whole batch, ``(r - mean_batch) / std_batch``. With
+    ``lengths`` the batch mean and std weigh each response by its tokens, as the paper's
+    token-level normalization does (OpenRLHF whitens over every masked token); without, each
+    response counts once. ``normalize_std=False`` only centres.
+
+    Example: rewards [1, 0, 0, 1] (any groups): mean 0.5, std 0.5, A = [1, -1, -1, 1].
+    """
+    _check_groups(rewards, group_index)
+    values = rewards if rewards.is_floating_point() else rewards.float()
+    whitened = _batch_whiten(values, lengths)
+    if normalize_std or values.numel() == 0:
+        return whitened
+    w = torch.ones_like(values) if lengths is None else lengths.to(values.dtype)
+    return values - (w * values).sum() / w.sum().clamp(min=1e-12)
+
+
+def reinforce_pp_baseline_advantages(
+    rewards: Tensor,
+    group_index: Tensor,
+    normalize_std: bool = True,
+    lengths: Tensor | None = None,
+) -> Tensor:
+    """REINFORCE++ with the group baseline (arXiv 2501.03262, "REINFORCE++-baseline"): rewards
+    minus their group's mean, then whitened over the batch (per token with ``lengths``), so the
+    scale comes from the batch rather than each group's std (a group of nearly equal rewards is
+    not blown up as in GRPO).
+
+    Example: groups {1, 0} and {1, 1}: centred [0.5, -0.5, 0, 0]; batch mean 0, std sqrt(1/8),
+    A = [0.5, -0.5, 0, 0] / 0.3536 = [1.414, -1.414, 0, 0].
+    """
+    values, centered, _, _ = _group_centered(rewards, group_index)
+    if values.numel() == 0 or not normalize_std:
+        return centered.clone()
+    return _batch_whiten(centered, lengths)
 
 
 def broadcast_to_tokens(adv: Tensor, loss_mask: Tensor) -> Tensor:
@@ -68,9 +167,14 @@ def broadcast_to_tokens(adv: Tensor, loss_mask: Tensor) -> Tensor:
     return adv[:, None] * loss_mask.to(adv.dtype)
 
 
-def no_advantages(rewards: Tensor, group_index: Tensor, normalize_std: bool = True) -> Tensor:
+def no_advantages(
+    rewards: Tensor,
+    group_index: Tensor,
+    normalize_std: bool = True,
+    lengths: Tensor | None = None,
+) -> Tensor:
     """Zero advantage for every sample: training signal comes only from a per-token term (pure
     on-policy distillation, where the teacher's log-probs are the whole reward)."""
     _check_groups(rewards, group_index)
-    del normalize_std
+    del normalize_std, lengths
     return torch.zeros_like(rewards)

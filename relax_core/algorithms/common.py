@@ -1,5 +1,5 @@
-"""Pieces every policy loss shares: the clipped surrogate, KL/entropy regularizers, the
-rollout-vs-train importance correction, and the final aggregation with its metrics.
+"""Pieces every policy loss shares: the clipped surrogate, KL/entropy regularizers, and the
+final step (rollout-vs-train corrections, corrections.py; aggregation; metrics).
 
 A loss computes its per-token policy-gradient term [B, T] its own way (GRPO's clipped ratio,
 GSPO's sequence ratio, SAPO's soft gate) and hands it to ``finish``.
@@ -11,13 +11,10 @@ import torch
 from torch import Tensor
 
 from relax_core.algorithms.aggregation import aggregate, check_aggregation, masked_mean
+from relax_core.algorithms.corrections import MAX_LOG_RATIO, apply_corrections
 from relax_core.algorithms.inputs import LossInputs
 from relax_core.algorithms.kl import check_kl_kind, kl_penalty
 from relax_core.algorithms.settings import LossSettings
-
-# Caps exp() of a log-ratio so a diverged token gives a large finite loss, not inf/NaN;
-# e^20 ~ 5e8 is far outside any clip range, so clipping decisions are unchanged.
-MAX_LOG_RATIO = 20.0
 
 
 def ratio_of(logprobs: Tensor, old_logprobs: Tensor) -> Tensor:
@@ -77,38 +74,6 @@ def regularizers(inputs: LossInputs, settings: LossSettings) -> tuple[Tensor, di
     return extra, metrics
 
 
-def importance_weights(
-    inputs: LossInputs, settings: LossSettings
-) -> tuple[Tensor | None, dict[str, Tensor]]:
-    """Detached weights [B, T] correcting for the rollout engine's log-probs differing from the
-    trainer's (``old_logprobs``), or None when ``is_mode`` is "none".
-
-    w = exp(old - rollout) per token, or exp(sum over the response) per sequence. TIS truncates
-    at ``is_cap``; MIS keeps w inside [1 / is_cap, is_cap] and zeroes the rest.
-    """
-    if settings.is_mode == "none":
-        return None, {}
-    if inputs.rollout_logprobs is None:
-        raise ValueError(
-            f"is_mode={settings.is_mode!r} needs LossInputs.rollout_logprobs (the rollout "
-            "engine's log-probs), which is None"
-        )
-    mask = inputs.loss_mask
-    log_w = (inputs.old_logprobs - inputs.rollout_logprobs).detach() * mask
-    if settings.is_level == "sequence":
-        log_w = log_w.sum(dim=-1, keepdim=True).expand_as(log_w)
-    w = torch.exp(torch.clamp(log_w, min=-MAX_LOG_RATIO, max=MAX_LOG_RATIO))
-    metrics = {"is_weight_mean": masked_mean(w, mask)}
-    if settings.is_mode == "tis":
-        metrics["is_truncated_frac"] = masked_mean((w > settings.is_cap).to(w.dtype), mask)
-        w = torch.clamp(w, max=settings.is_cap)
-    else:
-        keep = (w <= settings.is_cap) & (w >= 1.0 / settings.is_cap)
-        metrics["is_masked_frac"] = masked_mean((~keep).to(w.dtype), mask)
-        w = torch.where(keep, w, torch.zeros_like(w))
-    return w, metrics
-
-
 def finish(
     inputs: LossInputs,
     settings: LossSettings,
@@ -117,11 +82,17 @@ def finish(
     num_tokens: float | None,
     num_seqs: float | None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Scalar loss = aggregate(w * pg + regularizers) and detached scalar metrics."""
+    """Scalar loss = aggregate(w * pg + regularizers) and detached metrics: scalars and, with
+    ``settings.token_masks``, the bool [B, T] masks "_token/masked" (a correction zeroed the
+    token) and "_token/clipped" (a clip removed its gradient, for losses that clip; they pass it
+    in ``metrics`` under that key)."""
     check_aggregation(settings.agg)
-    weights, is_metrics = importance_weights(inputs, settings)
-    if weights is not None:
-        pg = pg * weights
+    pg, masked, correction_metrics = apply_corrections(inputs, settings, pg)
+    clipped = metrics.pop("_token/clipped", None)
+    if settings.token_masks:
+        metrics["_token/masked"] = masked
+        if clipped is not None:
+            metrics["_token/clipped"] = clipped & (inputs.loss_mask > 0)
     extra, reg_metrics = regularizers(inputs, settings)
     mask = inputs.loss_mask
     loss = aggregate(
@@ -130,5 +101,5 @@ def finish(
     with torch.no_grad():
         metrics["pg_loss"] = aggregate(pg, mask, settings.agg, norm_len=settings.norm_len)
     metrics.update(reg_metrics)
-    metrics.update(is_metrics)
+    metrics.update(correction_metrics)
     return loss, {name: value.detach() for name, value in metrics.items()}

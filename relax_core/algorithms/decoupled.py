@@ -61,6 +61,7 @@ def decoupled_ppo_loss(
     with torch.no_grad():
         metrics = {
             "clip_frac": masked_mean(no_grad.to(pg.dtype), mask),
+            "_token/clipped": no_grad,
             "ratio_mean": masked_mean(ratio, mask),
             "behaviour_weight_mean": masked_mean(behaviour_w, mask),
         }

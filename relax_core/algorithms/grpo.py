@@ -37,6 +37,7 @@ def grpo_loss(
     with torch.no_grad():
         metrics = {
             "clip_frac": masked_mean(no_grad.to(pg.dtype), mask),
+            "_token/clipped": no_grad,
             "ratio_mean": masked_mean(ratio, mask),
         }
     return finish(inputs, settings, pg, metrics, num_tokens, num_seqs)

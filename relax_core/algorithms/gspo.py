@@ -13,14 +13,9 @@ from torch import Tensor
 
 from relax_core.algorithms.aggregation import masked_mean
 from relax_core.algorithms.common import MAX_LOG_RATIO, clipped_surrogate, finish
+from relax_core.algorithms.corrections import sequence_mean
 from relax_core.algorithms.inputs import LossInputs
 from relax_core.algorithms.settings import LossSettings
-
-
-def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
-    """[B, 1] mean over each sequence's masked tokens of logp - old_logp (0 for empty rows)."""
-    total = ((logprobs - old_logprobs) * mask).sum(dim=-1, keepdim=True)
-    return total / mask.sum(dim=-1, keepdim=True).clamp(min=1.0)
 
 
 def gspo_loss(
@@ -33,7 +28,7 @@ def gspo_loss(
     "ratio_mean" is the mean sequence ratio over tokens)."""
     inputs = inputs.zero_padding()
     mask = inputs.loss_mask
-    seq_log_ratio = sequence_log_ratio(inputs.logprobs, inputs.old_logprobs, mask)
+    seq_log_ratio = sequence_mean(inputs.logprobs - inputs.old_logprobs, mask)
     seq_ratio = torch.exp(torch.clamp(seq_log_ratio, max=MAX_LOG_RATIO)).detach()
     token_ratio = seq_ratio * torch.exp(inputs.logprobs - inputs.logprobs.detach())
     pg, no_grad = clipped_surrogate(
@@ -46,6 +41,7 @@ def gspo_loss(
     with torch.no_grad():
         metrics = {
             "clip_frac": masked_mean(no_grad.to(pg.dtype), mask),
+            "_token/clipped": no_grad,
             "ratio_mean": masked_mean(seq_ratio.expand_as(mask), mask),
         }
     return finish(inputs, settings, pg, metrics, num_tokens, num_seqs)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-IS_MODES = ("none", "tis", "mis")
-IS_LEVELS = ("token", "sequence")
+IS_MODES = ("none", "tis", "mis", "icepop")
+IS_LEVELS = ("token", "sequence", "geometric")
+SEQ_MASKS = ("none", "kl", "ratio")
 
 
 @dataclass(frozen=True)
@@ -29,11 +30,20 @@ class LossSettings:
     sapo_tau_neg: float = 1.05
     """SAPO gate temperature for negative advantages."""
     is_mode: str = "none"
-    """Rollout-vs-train importance correction: none | tis (truncate) | mis (mask)."""
+    """Rollout-vs-train correction: none | tis (truncate) | mis (mask) | icepop (band mask)."""
     is_level: str = "token"
-    """token | sequence (one weight per response: exp of the summed log-ratio)."""
+    """token | sequence (exp of the summed log-ratio) | geometric (exp of its mean)."""
     is_cap: float = 2.0
     """TIS truncates weights at is_cap; MIS drops tokens/sequences outside [1/is_cap, is_cap]."""
+    icepop_low: float = 0.5
+    """IcePop keeps a token's weight only inside [icepop_low, icepop_high]."""
+    icepop_high: float = 5.0
+    seq_mask: str = "none"
+    """Off-policy sequence masking (OPSM): none | kl | ratio (corrections.py)."""
+    seq_mask_threshold: float = 0.3
+    """OPSM: the per-token mean log-ratio beyond which a sequence is dropped."""
+    token_masks: bool = False
+    """Also return per-token masked/clipped masks ("_token/..."), for per-staleness metrics."""
     behaviour_cap: float = 2.0
     """Decoupled PPO: cap of the behaviour weight pi_prox / pi_behaviour."""
 
@@ -51,6 +61,17 @@ class LossSettings:
             problems.append(f"is_mode must be one of {list(IS_MODES)}, got {self.is_mode!r}")
         if self.is_level not in IS_LEVELS:
             problems.append(f"is_level must be one of {list(IS_LEVELS)}, got {self.is_level!r}")
+        if self.is_mode == "icepop" and self.is_level != "token":
+            problems.append("is_mode 'icepop' masks tokens: is_level must be 'token'")
+        if not 0 < self.icepop_low < 1 < self.icepop_high:
+            problems.append(
+                f"icepop band must satisfy 0 < low < 1 < high, got "
+                f"[{self.icepop_low}, {self.icepop_high}]"
+            )
+        if self.seq_mask not in SEQ_MASKS:
+            problems.append(f"seq_mask must be one of {list(SEQ_MASKS)}, got {self.seq_mask!r}")
+        if self.seq_mask_threshold <= 0:
+            problems.append(f"seq_mask_threshold must be > 0, got {self.seq_mask_threshold}")
         if self.is_cap <= 1:
             problems.append(f"is_cap must be > 1, got {self.is_cap}")
         if self.behaviour_cap <= 1:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import re
 
+from relax_core.config.checks_algorithm import check_algorithm
 from relax_core.config.checks_gpu import check_gpu_stacks
+from relax_core.config.rules import choice, positive
 from relax_core.config.sections import RewardConfig, RunSections
 
 MODES = ("colocate", "async")
@@ -30,12 +32,6 @@ MODALITIES = {
 }
 """The media kinds a policy of each model.kind reads."""
 TEMPLATES = ("plain", "chat")
-LOSSES = ("grpo", "gspo", "sapo", "decoupled_ppo")
-ADVANTAGES = ("grpo", "none")
-KL_KINDS = ("k1", "k2", "k3")
-LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "dr_grpo")
-IS_MODES = ("none", "tis", "mis")
-IS_LEVELS = ("token", "sequence")
 DTYPES = ("float32", "bfloat16")
 ENGINES = ("torch", "sglang")
 TINY_POSITIONS = 512
@@ -46,89 +42,16 @@ MODEL_URI = re.compile(r"models:/(?P<name>[^/@]+)(/(?P<version>[0-9]+|latest)|@(
 models:/<name>@<alias>."""
 
 
-def _choice(errors: list[str], path: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        errors.append(f"{path}: {value!r} is not one of {', '.join(allowed)}")
-
-
-def _positive(errors: list[str], path: str, value: float, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        errors.append(f"{path}: must be {bound}, got {value}")
-
-
 def judge_problems(w: RewardConfig) -> list[str]:
     """Range checks of the GenRM judge settings (also used by rewards.check_reward)."""
     e: list[str] = []
-    _positive(e, "reward.judge_max_new_tokens", w.judge_max_new_tokens)
-    _positive(e, "reward.judge_batch_size", w.judge_batch_size)
+    positive(e, "reward.judge_max_new_tokens", w.judge_max_new_tokens)
+    positive(e, "reward.judge_batch_size", w.judge_batch_size)
     if not w.judge_timeout_s > 0:
         e.append(f"reward.judge_timeout_s: must be > 0, got {w.judge_timeout_s}")
     if not w.judge_source:
         e.append("reward.judge_source: required for reward 'genrm'")
     return e
-
-
-def _check_algorithm(e: list[str], cfg: RunSections) -> None:
-    """Knob ranges of the loss suite and the combinations that make no sense."""
-    a, r, w = cfg.algorithm, cfg.rollout, cfg.reward
-    _choice(e, "algorithm.is_mode", a.is_mode, IS_MODES)
-    _choice(e, "algorithm.proximal", a.proximal, ("interpolate", "behaviour"))
-    if a.proximal == "behaviour" and a.is_mode != "none":
-        e.append(
-            "algorithm.is_mode: with proximal 'behaviour' the old log-probs are the rollout's, so "
-            "the correction weight is always 1; use is_mode: none, or proximal: interpolate"
-        )
-    _choice(e, "algorithm.is_level", a.is_level, IS_LEVELS)
-    if a.dual_clip and a.dual_clip <= 1:
-        e.append(f"algorithm.dual_clip: must be 0 (off) or > 1, got {a.dual_clip}")
-    if a.dual_clip and a.loss == "sapo":
-        e.append("algorithm.dual_clip: SAPO has no clip to dualize; set it to 0")
-    for name in ("sapo_tau_pos", "sapo_tau_neg"):
-        if not getattr(a, name) > 0:
-            e.append(f"algorithm.{name}: must be > 0, got {getattr(a, name)}")
-    for name in ("is_cap", "behaviour_cap"):
-        if not getattr(a, name) > 1:
-            e.append(f"algorithm.{name}: must be > 1, got {getattr(a, name)}")
-    if a.loss == "gspo" and max(a.eps_clip, a.eps_clip_high) > 0.05:
-        e.append(
-            f"algorithm.eps_clip/eps_clip_high: GSPO clips a sequence-level ratio, which moves "
-            f"far less than a token's; use ~3e-4 / 4e-4, got {a.eps_clip} / {a.eps_clip_high}"
-        )
-    if a.loss == "decoupled_ppo" and a.is_mode != "none":
-        e.append(
-            "algorithm.is_mode: decoupled_ppo already weights by pi_proximal / pi_behaviour; "
-            "a second rollout correction would apply it twice (set is_mode: none)"
-        )
-    if a.advantage == "none" and a.distill_coef == 0:
-        e.append(
-            "algorithm.advantage: 'none' leaves nothing to learn from without distill_coef > 0"
-        )
-    if a.distill_coef < 0:
-        e.append(f"algorithm.distill_coef: must be >= 0, got {a.distill_coef}")
-    if a.distill_coef > 0 and not a.teacher:
-        e.append("algorithm.teacher: required when distill_coef > 0 (a checkpoint directory)")
-    if a.teacher and a.distill_coef == 0:
-        e.append(
-            "algorithm.distill_coef: a teacher is set but distill_coef is 0 (it would be unused)"
-        )
-    if r.dynamic_sampling and r.n_samples_per_prompt < 2:
-        e.append(
-            "rollout.dynamic_sampling: needs n_samples_per_prompt >= 2 (groups of one never vary)"
-        )
-    _positive(e, "rollout.max_sampling_rounds", r.max_sampling_rounds)
-    _positive(e, "reward.overlong_buffer", w.overlong_buffer, allow_zero=True)
-    budget, budget_name = r.max_new_tokens, "rollout.max_new_tokens"
-    if cfg.env.name:
-        budget, budget_name = cfg.env.max_episode_tokens, "env.max_episode_tokens"
-    if w.overlong_buffer >= budget > 0:
-        e.append(
-            f"reward.overlong_buffer: {w.overlong_buffer} must be below {budget_name} ({budget})"
-        )
-    if w.overlong_penalty < 0:
-        e.append(f"reward.overlong_penalty: must be >= 0, got {w.overlong_penalty}")
-    if w.name == "genrm":
-        e.extend(judge_problems(w))
 
 
 def _check_qwen(e: list[str], cfg: RunSections) -> None:
@@ -140,7 +63,7 @@ def _check_qwen(e: list[str], cfg: RunSections) -> None:
             f"model.source: required when model.kind is {m.kind!r}: a Hugging Face id (e.g. "
             "Qwen/Qwen3-VL-4B-Instruct) or a model directory"
         )
-    _positive(e, "model.video_fps", m.video_fps)
+    positive(e, "model.video_fps", m.video_fps)
     if cfg.warm_start.steps:
         e.append(
             f"warm_start.steps: the warm start feeds media to tiny-omni policies only; use 0 "
@@ -155,7 +78,7 @@ def _check_env(e: list[str], cfg: RunSections) -> None:
         if v.kwargs:
             e.append("env.kwargs: set, but env.name is empty (a single-turn run has no env)")
         return
-    _positive(e, "env.max_turns", v.max_turns)
+    positive(e, "env.max_turns", v.max_turns)
     if v.max_episode_tokens < r.max_new_tokens:
         e.append(
             f"env.max_episode_tokens: {v.max_episode_tokens} is below rollout.max_new_tokens "
@@ -170,16 +93,16 @@ def _check_env(e: list[str], cfg: RunSections) -> None:
 
 def _check_services(e: list[str], cfg: RunSections) -> None:
     s = cfg.services
-    _choice(e, "services.launch", s.launch, LAUNCHES)
-    _choice(e, "services.weight_sync", s.weight_sync, WEIGHT_SYNCS)
-    _choice(e, "services.sync_backend", s.sync_backend, SYNC_BACKENDS)
-    _positive(e, "services.rollout_workers", s.rollout_workers)
-    _positive(e, "services.rollout_batch_groups", s.rollout_batch_groups, allow_zero=True)
-    _positive(e, "services.bucket_mb", s.bucket_mb)
-    _positive(e, "services.rollout_threads", s.rollout_threads)
-    _positive(e, "services.trainer_gpus", s.trainer_gpus)
-    _positive(e, "services.rollout_gpus", s.rollout_gpus)
-    _positive(e, "services.trainer_threads", s.trainer_threads, allow_zero=True)
+    choice(e, "services.launch", s.launch, LAUNCHES)
+    choice(e, "services.weight_sync", s.weight_sync, WEIGHT_SYNCS)
+    choice(e, "services.sync_backend", s.sync_backend, SYNC_BACKENDS)
+    positive(e, "services.rollout_workers", s.rollout_workers)
+    positive(e, "services.rollout_batch_groups", s.rollout_batch_groups, allow_zero=True)
+    positive(e, "services.bucket_mb", s.bucket_mb)
+    positive(e, "services.rollout_threads", s.rollout_threads)
+    positive(e, "services.trainer_gpus", s.trainer_gpus)
+    positive(e, "services.rollout_gpus", s.rollout_gpus)
+    positive(e, "services.trainer_threads", s.trainer_threads, allow_zero=True)
     for name in (
         "poll_s",
         "heartbeat_s",
@@ -187,9 +110,9 @@ def _check_services(e: list[str], cfg: RunSections) -> None:
         "heartbeat_timeout_s",
         "restart_window_s",
     ):
-        _positive(e, f"services.{name}", getattr(s, name))
-    _positive(e, "services.max_role_restarts", s.max_role_restarts, allow_zero=True)
-    _positive(e, "services.max_global_restarts", s.max_global_restarts, allow_zero=True)
+        positive(e, f"services.{name}", getattr(s, name))
+    positive(e, "services.max_role_restarts", s.max_role_restarts, allow_zero=True)
+    positive(e, "services.max_global_restarts", s.max_global_restarts, allow_zero=True)
     if not 0 <= s.scale_api_port <= 65535:
         e.append(
             f"services.scale_api_port: a TCP port 0..65535 (0 = any free), got {s.scale_api_port}"
@@ -206,8 +129,6 @@ def _check_services(e: list[str], cfg: RunSections) -> None:
             f"services.heartbeat_timeout_s: must exceed twice services.heartbeat_s "
             f"({s.heartbeat_s}), got {s.heartbeat_timeout_s}; a late beat is not silence"
         )
-    if cfg.mode != "async":
-        return
     if cfg.rollout.dynamic_sampling:
         e.append(
             "rollout.dynamic_sampling: not supported in async mode (a filtered group would hold "
@@ -239,10 +160,10 @@ def _check_routing_replay(e: list[str], cfg: RunSections) -> None:
 def validate(cfg: RunSections) -> list[str]:
     """Value checks that need no I/O; returns a list of problems (empty when fine)."""
     e: list[str] = []
-    _choice(e, "mode", cfg.mode, MODES)
+    choice(e, "mode", cfg.mode, MODES)
     m = cfg.model
-    _choice(e, "model.kind", m.kind, MODEL_KINDS)
-    _choice(e, "model.dtype", m.dtype, DTYPES)
+    choice(e, "model.kind", m.kind, MODEL_KINDS)
+    choice(e, "model.dtype", m.dtype, DTYPES)
     if m.kind == "pretrained" and not m.source:
         e.append("model.source: required when model.kind is 'pretrained'")
     if m.kind in QWEN_MULTIMODAL:
@@ -260,9 +181,9 @@ def validate(cfg: RunSections) -> list[str]:
         )
     if m.kind == "tiny-omni":
         for name in ("image_size", "patch_size", "audio_rate", "n_mels", "audio_tokens"):
-            _positive(e, f"model.{name}", getattr(m, name))
-        _positive(e, "model.video_frames", m.video_frames)
-        _positive(e, "model.video_fps", m.video_fps)
+            positive(e, f"model.{name}", getattr(m, name))
+        positive(e, "model.video_frames", m.video_frames)
+        positive(e, "model.video_fps", m.video_fps)
         if m.patch_size > 0 and m.image_size % m.patch_size:
             e.append("model.image_size: must be divisible by model.patch_size")
         if m.audio_rate < 1000:
@@ -271,16 +192,16 @@ def validate(cfg: RunSections) -> list[str]:
             )
     d = cfg.data
     for name in ("max_media_bytes", "max_image_pixels", "max_audio_seconds", "max_video_seconds"):
-        _positive(e, f"data.{name}", getattr(d, name))
-    _positive(e, "data.max_video_frames", d.max_video_frames)
+        positive(e, f"data.{name}", getattr(d, name))
+    positive(e, "data.max_video_frames", d.max_video_frames)
     if m.kind in ("tiny-qwen3", "tiny-omni"):
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
-            _positive(e, f"model.{name}", getattr(m, name))
+            positive(e, f"model.{name}", getattr(m, name))
         if m.num_heads > 0 and m.hidden_size % m.num_heads:
             e.append("model.hidden_size: must be divisible by model.num_heads")
         if m.num_kv_heads > 0 and m.num_heads % m.num_kv_heads:
             e.append("model.num_heads: must be divisible by model.num_kv_heads")
-        _positive(e, "model.num_experts", m.num_experts, allow_zero=True)
+        positive(e, "model.num_experts", m.num_experts, allow_zero=True)
         if m.num_experts > 0 and not 1 <= m.experts_per_token <= m.num_experts:
             e.append(
                 f"model.experts_per_token: must be in [1, model.num_experts={m.num_experts}], "
@@ -291,13 +212,13 @@ def validate(cfg: RunSections) -> list[str]:
             f"model.num_experts: the tiny MoE policy is built for model.kind 'tiny-qwen3', not "
             f"{m.kind!r} (a pretrained MoE brings its own experts); use 0"
         )
-    _positive(e, "warm_start.steps", cfg.warm_start.steps, allow_zero=True)
-    _positive(e, "warm_start.lr", cfg.warm_start.lr)
-    _positive(e, "warm_start.batch_size", cfg.warm_start.batch_size)
-    _choice(e, "data.template", cfg.data.template, TEMPLATES)
-    _positive(e, "data.eval_size", cfg.data.eval_size, allow_zero=True)
+    positive(e, "warm_start.steps", cfg.warm_start.steps, allow_zero=True)
+    positive(e, "warm_start.lr", cfg.warm_start.lr)
+    positive(e, "warm_start.batch_size", cfg.warm_start.batch_size)
+    choice(e, "data.template", cfg.data.template, TEMPLATES)
+    positive(e, "data.eval_size", cfg.data.eval_size, allow_zero=True)
     r = cfg.rollout
-    _choice(e, "rollout.engine", r.engine, ENGINES)
+    choice(e, "rollout.engine", r.engine, ENGINES)
     check_gpu_stacks(e, cfg)
     if r.engine == "sglang" and MODALITIES.get(m.kind):
         e.append(
@@ -306,14 +227,14 @@ def validate(cfg: RunSections) -> list[str]:
         )
     if r.n_samples_per_prompt < 2:
         e.append("rollout.n_samples_per_prompt: must be >= 2 (GRPO compares responses in a group)")
-    _positive(e, "rollout.groups_per_step", r.groups_per_step)
-    _positive(e, "rollout.max_new_tokens", r.max_new_tokens)
-    _positive(e, "rollout.temperature", r.temperature)
+    positive(e, "rollout.groups_per_step", r.groups_per_step)
+    positive(e, "rollout.max_new_tokens", r.max_new_tokens)
+    positive(e, "rollout.temperature", r.temperature)
     if not 0 < r.top_p <= 1:
         e.append(f"rollout.top_p: must be in (0, 1], got {r.top_p}")
     if cfg.mode == "colocate" and r.max_staleness != 0:
         e.append("rollout.max_staleness: colocate mode is strict on-policy and needs 0")
-    _positive(e, "rollout.max_staleness", r.max_staleness, allow_zero=True)
+    positive(e, "rollout.max_staleness", r.max_staleness, allow_zero=True)
     _check_services(e, cfg)
     _check_env(e, cfg)
     q = cfg.queue
@@ -325,37 +246,35 @@ def validate(cfg: RunSections) -> list[str]:
         e.append(f"queue.endpoint_url: must start with http:// or https://, got {q.endpoint_url!r}")
     if not q.lease_ttl_s > 0:
         e.append(f"queue.lease_ttl_s: must be > 0, got {q.lease_ttl_s}")
-    _positive(e, "queue.retry_attempts", q.retry_attempts)
+    positive(e, "queue.retry_attempts", q.retry_attempts)
     if not cfg.reward.name:
         e.append("reward.name: required (a registered reward or 'module:function')")
     a = cfg.algorithm
-    _check_algorithm(e, cfg)
-    _choice(e, "algorithm.loss", a.loss, LOSSES)
-    _choice(e, "algorithm.advantage", a.advantage, ADVANTAGES)
-    _choice(e, "algorithm.kl_kind", a.kl_kind, KL_KINDS)
-    _choice(e, "algorithm.loss_agg", a.loss_agg, LOSS_AGGS)
+    check_algorithm(e, cfg)
+    if cfg.reward.name == "genrm":
+        e.extend(judge_problems(cfg.reward))
     for name in ("eps_clip", "eps_clip_high"):
-        _positive(e, f"algorithm.{name}", getattr(a, name))
+        positive(e, f"algorithm.{name}", getattr(a, name))
     for name in ("kl_coef", "entropy_coef"):
-        _positive(e, f"algorithm.{name}", getattr(a, name), allow_zero=True)
+        positive(e, f"algorithm.{name}", getattr(a, name), allow_zero=True)
     t = cfg.train
-    _positive(e, "train.total_steps", t.total_steps)
-    _positive(e, "train.lr", t.lr)
-    _positive(e, "train.encoder_lr_scale", t.encoder_lr_scale)
-    _positive(e, "train.weight_decay", t.weight_decay, allow_zero=True)
-    _positive(e, "train.warmup_steps", t.warmup_steps, allow_zero=True)
-    _positive(e, "train.grad_clip", t.grad_clip, allow_zero=True)
-    _positive(e, "train.micro_batch_tokens", t.micro_batch_tokens)
-    _positive(e, "train.minibatches_per_step", t.minibatches_per_step)
+    positive(e, "train.total_steps", t.total_steps)
+    positive(e, "train.lr", t.lr)
+    positive(e, "train.encoder_lr_scale", t.encoder_lr_scale)
+    positive(e, "train.weight_decay", t.weight_decay, allow_zero=True)
+    positive(e, "train.warmup_steps", t.warmup_steps, allow_zero=True)
+    positive(e, "train.grad_clip", t.grad_clip, allow_zero=True)
+    positive(e, "train.micro_batch_tokens", t.micro_batch_tokens)
+    positive(e, "train.minibatches_per_step", t.minibatches_per_step)
     if t.minibatches_per_step > cfg.rollout.groups_per_step:
         e.append(
             "train.minibatches_per_step: must be <= rollout.groups_per_step (groups are not split)"
         )
-    _positive(e, "train.checkpoint_every", t.checkpoint_every)
-    _positive(e, "train.keep_checkpoints", t.keep_checkpoints)
-    _positive(e, "train.steps_per_node", t.steps_per_node)
-    _positive(e, "train.eval_every", t.eval_every, allow_zero=True)
-    _positive(e, "train.torch_threads", t.torch_threads, allow_zero=True)
+    positive(e, "train.checkpoint_every", t.checkpoint_every)
+    positive(e, "train.keep_checkpoints", t.keep_checkpoints)
+    positive(e, "train.steps_per_node", t.steps_per_node)
+    positive(e, "train.eval_every", t.eval_every, allow_zero=True)
+    positive(e, "train.torch_threads", t.torch_threads, allow_zero=True)
     if t.routing_replay:
         _check_routing_replay(e, cfg)
     if not cfg.run_name or "/" in cfg.run_name:

@@ -167,13 +167,18 @@ class AlgorithmConfig:
     loss: str = "grpo"
     """Policy loss."""
     advantage: str = "grpo"
-    """Advantage estimator: grpo (group-normalized rewards) or none (only the distillation term)."""
+    """Advantage estimator: grpo (group-normalized rewards), rloo (leave-one-out baseline),
+    reinforce_pp (batch-whitened rewards), reinforce_pp_baseline (group-centred, then
+    batch-whitened) or none (only the distillation term)."""
+    advantage_level: str = "sequence"
+    """reinforce_pp*: batch statistics over responses ('sequence') or over tokens ('token')."""
     eps_clip: float = 0.2
     """Lower PPO clip range: ratio >= 1 - eps_clip."""
     eps_clip_high: float = 0.28
     """Upper PPO clip range: ratio <= 1 + eps_clip_high."""
     normalize_adv_std: bool = True
-    """Divide group-centred rewards by the group's std."""
+    """Divide group-centred rewards by the group's std (grpo, rloo), or whiten by the batch's
+    (reinforce_pp*)."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference model (0 = no reference role at all)."""
     kl_kind: str = "k3"
@@ -191,11 +196,22 @@ class AlgorithmConfig:
     sapo_tau_neg: float = 1.05
     """SAPO: gate temperature for negative advantages."""
     is_mode: str = "none"
-    """Rollout-vs-train log-prob correction: none, tis (truncate) or mis (mask)."""
+    """Rollout-vs-train log-prob correction: none, tis (truncate), mis (mask) or icepop (mask
+    tokens whose train/rollout probability ratio leaves [icepop_low, icepop_high])."""
     is_level: str = "token"
-    """Correction weights per token or per sequence."""
+    """Correction weights per token, per sequence (product) or geometric (per-sequence mean)."""
     is_cap: float = 2.0
     """TIS truncation / MIS acceptance bound (weights outside [1/cap, cap] are masked) (> 1)."""
+    icepop_low: float = 0.5
+    """IcePop: lower end of the kept ratio band (0 < low < 1)."""
+    icepop_high: float = 5.0
+    """IcePop: upper end of the kept ratio band (> 1)."""
+    seq_mask: str = "none"
+    """Off-policy sequence masking (OPSM): none; kl (drop negative-advantage responses whose mean
+    rollout-vs-current log-ratio exceeds seq_mask_threshold); ratio (drop any response whose
+    geometric-mean ratio leaves [exp(-threshold), exp(threshold)])."""
+    seq_mask_threshold: float = 0.3
+    """OPSM threshold, in nats per token (> 0)."""
     behaviour_cap: float = 2.0
     """decoupled_ppo: truncation of the behaviour weight pi_proximal / pi_behaviour (> 1)."""
     proximal: str = "interpolate"

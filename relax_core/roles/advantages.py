@@ -1,5 +1,6 @@
-"""Advantages role: group-normalized advantages (GRPO), broadcast over each response's tokens,
-plus the on-policy distillation term per token when a teacher scored the rows."""
+"""Advantages role: one advantage per response (algorithm.advantage: GRPO, RLOO, REINFORCE++),
+broadcast over its tokens, plus the on-policy distillation term per token when a teacher scored
+the rows."""
 
 from __future__ import annotations
 
@@ -7,19 +8,31 @@ import pyarrow as pa
 import torch
 
 from relax_core.algorithms import ADVANTAGE_ESTIMATORS, distillation_advantages
+from relax_core.config import AlgorithmConfig
 from relax_core.queue import with_columns
 
 
 def add_advantages(
-    table: pa.Table, estimator: str, normalize_std: bool, distill_coef: float = 0.0
+    table: pa.Table,
+    estimator: str,
+    normalize_std: bool,
+    distill_coef: float = 0.0,
+    token_level: bool = False,
 ) -> pa.Table:
-    """Fill the `advantages` column ([len(response)] per row) from rewards within each group;
-    with `distill_coef` > 0 each token also gets -coef * (rollout_logprobs - teacher_logprobs)."""
+    """Fill the `advantages` column ([len(response)] per row) from the rows' rewards (within each
+    group, or over the whole table for REINFORCE++; `token_level`: its statistics weigh each row
+    by its trained tokens); with `distill_coef` > 0 each token also gets
+    -coef * (rollout_logprobs - teacher_logprobs)."""
     group_ids = table.column("group_id").to_pylist()
     index: dict[str, int] = {}
     group_index = torch.tensor([index.setdefault(g, len(index)) for g in group_ids])
     rewards = torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32)
-    adv = ADVANTAGE_ESTIMATORS[estimator](rewards, group_index, normalize_std=normalize_std)
+    weights = None
+    if token_level:
+        weights = torch.tensor([sum(m) for m in table.column("loss_mask").to_pylist()])
+    adv = ADVANTAGE_ESTIMATORS[estimator](
+        rewards, group_index, normalize_std=normalize_std, lengths=weights
+    )
     lengths = [len(r) for r in table.column("response_ids").to_pylist()]
     per_token = [[a] * n for a, n in zip(adv.tolist(), lengths, strict=True)]
     if distill_coef > 0:
@@ -37,11 +50,16 @@ def add_advantages(
     return with_columns(table, advantages=per_token)
 
 
+def advantages_of(table: pa.Table, algo: AlgorithmConfig) -> pa.Table:
+    """`add_advantages` with the run's algorithm settings (the colocate step and the service)."""
+    token_level = algo.advantage_level == "token"
+    return add_advantages(
+        table, algo.advantage, algo.normalize_adv_std, algo.distill_coef, token_level
+    )
+
+
 def serve(ctx) -> None:
     """The advantages service: `ref`/`fwd`/`rollout` entries -> `ready` (same seq)."""
-    a = ctx.cfg.algorithm
     from relax_core.roles.service import serve_stage
 
-    serve_stage(
-        ctx, lambda table: add_advantages(table, a.advantage, a.normalize_adv_std, a.distill_coef)
-    )
+    serve_stage(ctx, lambda table: advantages_of(table, ctx.cfg.algorithm))

@@ -41,8 +41,14 @@ def loss_settings(algo: AlgorithmConfig, max_new_tokens: int) -> LossSettings:
 
 
 def _loss_fn(
-    algo: AlgorithmConfig, settings: LossSettings, num_tokens: float, num_seqs: float
+    algo: AlgorithmConfig,
+    settings: LossSettings,
+    num_tokens: float,
+    num_seqs: float,
+    mismatch: dict[int, list[float]],
 ) -> MicroBatchLoss:
+    """The backend's loss over one micro-batch; also adds, per staleness k, [rollout-vs-train
+    log-ratio sum, tokens, masked tokens, clipped tokens] to `mismatch[k]`."""
     loss_impl = POLICY_LOSSES[algo.loss]
 
     def fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch):
@@ -66,9 +72,53 @@ def _loss_fn(
         mask = mb.loss_mask
         gap = (rollout - logprobs.detach()) * mask
         metrics["rollout_train_kl"] = gap.sum() / mask.sum().clamp(min=1)
+        masked = metrics.pop("_token/masked")
+        clipped = metrics.pop("_token/clipped", torch.zeros_like(masked))
+        _count_by_staleness(mismatch, mb.extras["staleness"], mask, gap, masked, clipped)
         return loss, metrics
 
     return fn
+
+
+def _count_by_staleness(
+    mismatch: dict[int, list[float]],
+    staleness: torch.Tensor,
+    mask: torch.Tensor,
+    gap: torch.Tensor,
+    masked: torch.Tensor,
+    clipped: torch.Tensor,
+) -> None:
+    live = mask > 0
+    for k in torch.unique(staleness[live]).tolist():
+        at = live & (staleness == k)
+        sums = mismatch.setdefault(int(k), [0.0, 0.0, 0.0, 0.0])
+        sums[0] += float(gap[at].sum())
+        sums[1] += float(at.sum())
+        sums[2] += float((masked & at).sum())
+        sums[3] += float((clipped & at).sum())
+
+
+def mismatch_metrics(mismatch: dict[int, list[float]]) -> dict[str, float]:
+    """Per staleness k (train version - behaviour version) and overall: the rollout-vs-train KL
+    estimate (mean of rollout - train log-probs over the sampled tokens) and the share of
+    tokens a correction masked or a clip held."""
+    out: dict[str, float] = {}
+    totals = [0.0, 0.0, 0.0, 0.0]
+    for k, (gap, tokens, masked, clipped) in sorted(mismatch.items()):
+        n = max(tokens, 1.0)
+        out[f"mismatch/kl_s{k}"] = gap / n
+        out[f"mismatch/masked_frac_s{k}"] = masked / n
+        out[f"mismatch/clipped_frac_s{k}"] = clipped / n
+        totals = [t + v for t, v in zip(totals, (gap, tokens, masked, clipped), strict=True)]
+    n = max(totals[1], 1.0)
+    out.update(
+        {
+            "mismatch/kl": totals[0] / n,
+            "mismatch/masked_frac": totals[2] / n,
+            "mismatch/clipped_frac": totals[3] / n,
+        }
+    )
+    return out
 
 
 def _split_groups(table: pa.Table, parts: int) -> list[pa.Table]:
@@ -84,11 +134,16 @@ def _split_groups(table: pa.Table, parts: int) -> list[pa.Table]:
     return [table.take(r) for r in rows if r]
 
 
+def _per_token(table: pa.Table, values: list[float]) -> list[list[float]]:
+    """One value per row, repeated over its response tokens."""
+    lengths = [len(r) for r in table.column("response_ids").to_pylist()]
+    return [[v] * n for v, n in zip(values, lengths, strict=True)]
+
+
 def _alpha_per_token(table: pa.Table, train_version: int, progress: float) -> list[list[float]]:
     versions = torch.tensor(table.column("behaviour_version_min").to_pylist())
     alpha = proximal_alpha(versions, float(train_version), progress).flatten().tolist()
-    lengths = [len(r) for r in table.column("response_ids").to_pylist()]
-    return [[a] * n for a, n in zip(alpha, lengths, strict=True)]
+    return _per_token(table, alpha)
 
 
 def train_on_table(
@@ -122,7 +177,7 @@ def train_on_table(
                 "routing_replay": routing_replay,
             },
         )
-    settings = loss_settings(algo, max_new_tokens)
+    settings = dataclasses.replace(loss_settings(algo, max_new_tokens), token_masks=True)
     extras = ["advantages", "rollout_logprobs"]
     if algo.kl_coef > 0:
         extras.append("ref_logprobs")
@@ -130,10 +185,12 @@ def train_on_table(
     if recomputed:
         extras.append("old_logprobs")
     sums: dict[str, float] = {}
+    mismatch: dict[int, list[float]] = {}
     n_micro, trained = 0, 0.0
     parts = _split_groups(table, minibatches)
     for k, part in enumerate(parts):
-        computed = {}
+        versions = part.column("behaviour_version_min").to_pylist()
+        computed = {"staleness": _per_token(part, [float(train_version - b) for b in versions])}
         if not recomputed and algo.proximal == "interpolate":
             computed["proximal_alpha"] = _alpha_per_token(part, train_version, k / len(parts))
         mbs = [
@@ -144,11 +201,13 @@ def train_on_table(
         ]
         num_tokens = float(sum(mb.loss_mask.sum() for mb in mbs))
         num_seqs = float(sum((mb.loss_mask.sum(-1) > 0).sum() for mb in mbs))
-        metrics = backend.train_step(mbs, _loss_fn(algo, settings, num_tokens, num_seqs))
+        loss_fn = _loss_fn(algo, settings, num_tokens, num_seqs, mismatch)
+        metrics = backend.train_step(mbs, loss_fn)
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + value / len(parts)
         n_micro, trained = n_micro + len(mbs), trained + num_tokens
     out = {f"train/{k}": v for k, v in sums.items()}
+    out.update(mismatch_metrics(mismatch))
     out["train/micro_batches"] = float(n_micro)
     out["train/trained_tokens"] = trained
     out["train/behaviour_version_min"] = float(

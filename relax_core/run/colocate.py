@@ -21,7 +21,7 @@ import time
 import pyarrow as pa
 
 from relax_core.queue import rows_to_table
-from relax_core.roles.advantages import add_advantages
+from relax_core.roles.advantages import advantages_of
 from relax_core.roles.episodes import response_budget
 from relax_core.roles.evaluation import evaluate
 from relax_core.roles.reference import add_ref_logprobs
@@ -141,7 +141,7 @@ class ColocateController:
             table = self._consume("ref")
         t3 = time.perf_counter()
         a = cfg.algorithm
-        table = add_advantages(table, a.advantage, a.normalize_adv_std, a.distill_coef)
+        table = advantages_of(table, a)
         s.queue.put("ready", table, {"policy_version": v})
         table = self._consume("ready")
         t4 = time.perf_counter()
