@@ -129,11 +129,6 @@ def _check_services(e: list[str], cfg: RunSections) -> None:
             f"services.heartbeat_timeout_s: must exceed twice services.heartbeat_s "
             f"({s.heartbeat_s}), got {s.heartbeat_timeout_s}; a late beat is not silence"
         )
-    if cfg.rollout.dynamic_sampling:
-        e.append(
-            "rollout.dynamic_sampling: not supported in async mode (a filtered group would hold "
-            "its admission ticket and stall the staleness bound); use mode: colocate"
-        )
 
 
 def _check_routing_replay(e: list[str], cfg: RunSections) -> None:

@@ -116,8 +116,9 @@ class RolloutConfig:
     """DAPO: drop groups whose rewards are all equal (no signal) and sample more prompts until
     the step batch is full."""
     max_sampling_rounds: int = 4
-    """Dynamic sampling: at most this many generation rounds per step; a step trains on what it
-    has after the last one (counted in rollout/unfilled_groups)."""
+    """Dynamic sampling. Colocate: at most this many generation rounds per step; a step trains on
+    what it has after the last one (counted in rollout/unfilled_groups). Async: a rollout worker
+    fails with a clear error after this many x groups_per_step dropped groups in a row."""
     partial_rollout: bool = False
     """Async mode: a weight update that arrives mid-generation is applied between decode steps
     and generation resumes under the new weights (behaviour_version_min/max record both);

@@ -12,6 +12,18 @@ Together these bound the staleness of every trained group by k: the groups train
 0..s-1 are always the s*G oldest admitted, and a group admitted as the i-th under version v has
 i < (v + k + 1) * G, so it is trained at a step <= v + k. A hard drop of over-stale groups is
 only a configured backstop (`split_over_stale`), counted by the caller.
+
+Dynamic sampling (DAPO) drops generated groups whose rewards are all equal and draws fresh
+prompts instead. `record_dropped` writes such groups beside the voided blocks, so `started` counts
+only groups kept or still being generated, and the argument above runs over kept groups: when a
+kept group is admitted under v, fewer than (v + k + 1) * G kept-or-generating groups precede it
+(groups dropped later only made that count larger), the trainer trains only kept groups, G per
+step, oldest first, so it is trained at a step <= v + k. Counting dropped groups instead would
+shrink the bound with every drop until the trainer could never fill a step (with k = 0: G
+admitted under v, one dropped, rollout at the bound, the trainer waiting for a G-th group of v);
+raising the limit by the number dropped is the same rule as not counting them. Kept groups still
+run at most k versions ahead; drawn-and-dropped ones cost only compute, which
+`rollout.max_sampling_rounds` bounds (roles/rollout_service.py).
 """
 
 from __future__ import annotations
@@ -103,7 +115,11 @@ def split_over_stale(
 
 
 VOID = "tickets-void"
-"""Blocks voided by their worker's restart; the trainer no longer waits for them."""
+"""Blocks voided by their worker's restart, and groups dropped by dynamic sampling (records with
+`reason: dynamic_sampling`): neither counts against the bound, the trainer no longer waits for
+them."""
+DROPPED = "dynamic_sampling"
+"""The `reason` of a `tickets-void/` record of dropped groups (their prompts are consumed)."""
 
 
 class AdmissionLedger:
@@ -147,7 +163,8 @@ class AdmissionLedger:
         while True:
             started = self.started()
             # Voided blocks were never generated; their prompts went into new blocks, which
-            # count instead (else each restart would shrink the bound for good).
+            # count instead (else each restart would shrink the bound for good). Dropped groups
+            # (dynamic sampling) make room for the new prompts drawn to replace them.
             live = started - self.voided_groups()
             count = min(want, admissible(live, policy_version, max_staleness, groups_per_step))
             if count == 0:
@@ -165,6 +182,36 @@ class AdmissionLedger:
             ):
                 return started, count
 
+    def record_dropped(
+        self, first: int, group_ids: Sequence[str], policy_version: int, worker: str = ""
+    ) -> bool:
+        """Record that `group_ids` of the block at ticket `first`, admitted under
+        `policy_version`, were generated and dropped (dynamic sampling: equal rewards), as
+        `tickets-void/{first}`. Like a voided block's, these groups no longer count against the
+        bound and the trainer stops waiting for them; unlike one, their prompts are consumed (as
+        in colocate, DAPO draws new prompts), so `reclaim` never regenerates them.
+
+        Written after the block's kept groups are committed (or when none was kept); a block
+        that reached the rollout stage is never voided, so the name is the block's alone.
+        Idempotent: returns whether this call wrote the record."""
+        if not group_ids:
+            return False
+        body = {
+            "count": len(group_ids),
+            "policy_version": policy_version,
+            "worker": worker,
+            "time": time.time(),
+            "reason": DROPPED,
+            "groups": list(map(str, group_ids)),
+        }
+        return self.queue.store.create_if_absent(
+            f"{VOID}/{seq_name(first)}", json.dumps(body).encode()
+        )
+
+    def dropped(self) -> dict[int, dict]:
+        """Records of groups dropped by dynamic sampling: first ticket of their block -> record."""
+        return {k: v for k, v in self.voided().items() if v.get("reason") == DROPPED}
+
     def blocks(self) -> dict[int, dict]:
         """Every admitted block: first ticket -> its record."""
         store = self.queue.store
@@ -181,7 +228,8 @@ class AdmissionLedger:
         return sum(self._void_counts.values())
 
     def voided(self) -> dict[int, dict]:
-        """Blocks given up (their worker died before committing them): first ticket -> record."""
+        """Blocks given up (their worker died before committing them) and groups dropped by
+        dynamic sampling (`dropped`): first ticket -> record."""
         store = self.queue.store
         names = [n for n in store.list_dir(VOID) if parse_seq(n) is not None]
         return {int(n): json.loads(store.read_bytes(f"{VOID}/{n}")) for n in names}
@@ -190,7 +238,8 @@ class AdmissionLedger:
         """Void `worker`'s blocks that never reached the rollout stage (it died holding them)
         and return their prompts as (stream_first, count) to generate again in new blocks.
 
-        Only the worker's own restart calls this, so no live process still holds the blocks."""
+        Only the worker's own restart calls this, so no live process still holds the blocks. A
+        block whose groups were all dropped (a `record_dropped` record) is done, not voided."""
         voided = self.voided()
         redo = []
         for first, body in sorted(self.blocks().items()):

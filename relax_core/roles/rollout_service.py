@@ -13,7 +13,7 @@ import os
 import time
 from typing import Any
 
-from relax_core.roles.rollout import rollout_groups
+from relax_core.roles.rollout import informative_groups, rollout_groups
 from relax_core.rollout.engine import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,11 @@ def serve(ctx) -> None:
     config's `rollout_workers`) takes no work before it holds the trainer's weights. An engine
     asked to drain admits nothing more, commits what it admitted (and what a dead process of it
     had admitted), and exits 0.
+
+    Dynamic sampling (`rollout.dynamic_sampling`, DAPO): only groups whose rewards differ are
+    committed; the others are recorded as dropped (`AdmissionLedger.record_dropped`), which frees
+    their admission slots for fresh prompts and tells the trainer not to wait for them. See
+    `DynamicSampling` for the metrics and the bound on redraws.
     """
     import contextlib
     import os
@@ -73,7 +78,12 @@ def serve(ctx) -> None:
     ledger = AdmissionLedger(ctx.queue)
     # Blocks an earlier process of this worker admitted but never committed (it died): void
     # them and generate their prompts again, so the trainer neither waits for them nor loses them.
-    redo = ledger.reclaim(ctx.name, committed_tickets(ctx.queue))
+    committed = committed_blocks(ctx.queue)
+    redo = ledger.reclaim(ctx.name, set(committed))
+    _record_missing_drops(ledger, ctx.name, committed)
+    sampler = (
+        DynamicSampling(r.groups_per_step, r.max_sampling_rounds) if r.dynamic_sampling else None
+    )
     if redo:
         log.warning(
             "%s: generating %d groups again that a dead process had admitted",
@@ -101,9 +111,10 @@ def serve(ctx) -> None:
                 break
             apply_pending()
             stream_first = redo[0][0] if redo else None
+            version = engine.version  # the block's admission version
             first, count = ledger.try_admit(
                 min(chunk, redo[0][1]) if redo else chunk,
-                engine.version,
+                version,
                 r.max_staleness,
                 r.groups_per_step,
                 worker=ctx.name,
@@ -143,17 +154,26 @@ def serve(ctx) -> None:
                     )
             metrics["perf/rollout_wait_s"] = waited
             waited = 0.0
-            ctx.queue.put(
-                "rollout",
-                rows_to_table(rows),
-                {
-                    "policy_version": engine.version,
-                    "tickets": [first, count],
-                    "stream": [stream, count],
-                    "worker": ctx.name,
-                    "metrics": metrics,
-                },
-            )
+            dropped: list[str] = []
+            if sampler is not None:
+                rows, dropped, metrics = sampler.split(rows, metrics)
+            if rows:
+                ctx.queue.put(
+                    "rollout",
+                    rows_to_table(rows),
+                    {
+                        "policy_version": engine.version,
+                        "tickets": [first, count],
+                        "stream": [stream, count],
+                        "worker": ctx.name,
+                        "metrics": metrics,
+                        **({"dropped": dropped} if dropped else {}),
+                    },
+                )
+            # After the commit: a block that reached the stage is never voided by `reclaim`.
+            ledger.record_dropped(first, dropped, version, ctx.name)
+            if sampler is not None:
+                sampler.check()
     finally:
         weights.close(drained, s.start_timeout_s)
         if server is not None:
@@ -257,14 +277,105 @@ class _Throttled:
         return self.value
 
 
-def committed_tickets(queue) -> set[int]:
-    """First tickets of the blocks committed to the rollout stage."""
-    firsts = set()
+def committed_blocks(queue) -> dict[int, dict]:
+    """The blocks committed to the rollout stage: first ticket -> the entry's meta."""
+    blocks = {}
     for seq in queue.committed("rollout"):
         try:
-            tickets = queue.record("rollout", seq).get("meta", {}).get("tickets")
+            meta = queue.record("rollout", seq).get("meta") or {}
         except Exception:  # noqa: BLE001 - an unreadable record is quarantined by its reader
             continue
-        if tickets:
-            firsts.add(int(tickets[0]))
-    return firsts
+        if meta.get("tickets"):
+            blocks[int(meta["tickets"][0])] = meta
+    return blocks
+
+
+def _record_missing_drops(ledger, worker: str, committed: dict[int, dict]) -> None:
+    """Record the dropped groups of this worker's committed blocks that a dead process of it
+    committed but died before recording as dropped (else the trainer waits for them)."""
+    from relax_core.queue.admission import VOID
+
+    missing = {
+        first: meta["dropped"]
+        for first, meta in committed.items()
+        if meta.get("dropped") and meta.get("worker") == worker
+    }
+    if not missing:
+        return
+    recorded = {int(n) for n in ledger.queue.store.list_dir(VOID) if n.isdigit()}
+    blocks = None
+    for first, group_ids in sorted(missing.items()):
+        if first not in recorded:
+            blocks = blocks if blocks is not None else ledger.blocks()
+            ledger.record_dropped(first, group_ids, int(blocks[first]["policy_version"]), worker)
+
+
+class DynamicSampling:
+    """DAPO dynamic sampling for one rollout worker of an async run: keep the groups whose
+    rewards differ, drop the others (their prompts are consumed, as in colocate), and count.
+
+    Metrics, with colocate's names, ride on the next entry this worker commits (a draw that
+    kept nothing commits no entry, so its counts and times carry over):
+    `rollout/filtered_groups` (groups drawn and dropped) and `rollout/sampling_rounds` (draws,
+    i.e. generate calls, the entry stands for); groups kept are the entry's groups.
+
+    Redraws are bounded like colocate's (a step of `max_sampling_rounds` rounds of at most
+    `groups_per_step` prompts that keeps nothing fails the run): `check` raises once
+    `max_sampling_rounds * groups_per_step` groups in a row were dropped, so a task where every
+    group scores the same fails naming the setting instead of drawing forever.
+    """
+
+    CARRIED = (
+        "perf/generate_s",
+        "perf/reward_s",
+        "perf/generated_tokens",
+        "perf/rollout_wait_s",
+        "train/reward_errors",
+    )
+    """Totals a draw that kept nothing adds to the next committed entry's metrics."""
+
+    def __init__(self, groups_per_step: int, max_sampling_rounds: int) -> None:
+        self.groups_per_step, self.max_sampling_rounds = groups_per_step, max_sampling_rounds
+        self.in_a_row = 0  # groups dropped since the last group kept
+        self._reset()
+
+    def _reset(self) -> None:
+        self.rounds, self.filtered = 0, 0
+        self.carried: dict[str, float] = {}
+
+    def split(
+        self, rows: list[dict[str, Any]], metrics: dict[str, float]
+    ) -> tuple[list[dict[str, Any]], list[str], dict[str, float]]:
+        """(rows of the groups kept, ids of the groups dropped, metrics for the kept rows'
+        entry); no rows kept means nothing to commit: the metrics carry over to the next."""
+        kept = informative_groups(rows)
+        kept_ids = {row["group_id"] for row in kept}
+        dropped = list(dict.fromkeys(r["group_id"] for r in rows if r["group_id"] not in kept_ids))
+        self.rounds += 1
+        self.filtered += len(dropped)
+        for key in self.CARRIED:
+            if key in metrics:
+                self.carried[key] = self.carried.get(key, 0.0) + float(metrics[key])
+        if not kept:
+            self.in_a_row += len(dropped)
+            return [], dropped, metrics
+        self.in_a_row = 0
+        out = {
+            **metrics,
+            **self.carried,
+            "rollout/sampling_rounds": float(self.rounds),
+            "rollout/filtered_groups": float(self.filtered),
+        }
+        self._reset()
+        return kept, dropped, out
+
+    def check(self) -> None:
+        """Raise once too many groups in a row were dropped (see the class docstring)."""
+        limit = self.max_sampling_rounds * self.groups_per_step
+        if self.in_a_row >= limit:
+            raise RuntimeError(
+                f"dynamic sampling dropped {self.in_a_row} groups in a row, none with differing "
+                f"rewards (limit: rollout.max_sampling_rounds {self.max_sampling_rounds} x "
+                f"rollout.groups_per_step {self.groups_per_step}); raise "
+                "rollout.max_sampling_rounds or check the reward (every sample scored the same)"
+            )

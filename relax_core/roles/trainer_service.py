@@ -41,7 +41,14 @@ _JOIN_CHECK_S = 0.5
 """How often a trainer waiting for data looks for engines waiting to join weight sync."""
 
 # Rollout metrics that add up over the entries a step consumed (the others are averaged).
-_SUMMED = ("perf/generate_s", "perf/reward_s", "perf/generated_tokens", "perf/rollout_wait_s")
+_SUMMED = (
+    "perf/generate_s",
+    "perf/reward_s",
+    "perf/generated_tokens",
+    "perf/rollout_wait_s",
+    "rollout/filtered_groups",
+    "rollout/sampling_rounds",
+)
 
 
 def _batch_metrics(batch: pa.Table) -> dict[str, float]:

@@ -56,8 +56,9 @@ def test_async_config_checks_name_the_field():
         _async(services={"launch": "ray"})
     with pytest.raises(ConfigError, match="services.weight_sync"):
         _async(services={"weight_sync": "carrier-pigeon"})
-    with pytest.raises(ConfigError, match="rollout.dynamic_sampling: not supported in async"):
-        _async(rollout={"dynamic_sampling": True})
+    assert _async(rollout={"dynamic_sampling": True}).rollout.dynamic_sampling  # DAPO works async
+    with pytest.raises(ConfigError, match="rollout.dynamic_sampling: needs n_samples_per_prompt"):
+        _async(rollout={"dynamic_sampling": True, "n_samples_per_prompt": 1})
     with pytest.raises(ConfigError, match="services.rollout_workers"):
         _async(services={"rollout_workers": 0})
 
