@@ -49,7 +49,8 @@ VARIANTS: dict[str, dict] = {
         "algorithm": {"loss_agg": "dr_grpo", "eps_clip_high": 0.28},
         "rollout": {"dynamic_sampling": True},
     },
-    "cispo": {"algorithm": {"loss": "cispo"}},
+    # MiniMax-M1 leaves the IS weight without a lower bound (a large eps_low): 1 - 1.0 = 0.
+    "cispo": {"algorithm": {"loss": "cispo", "eps_clip": 1.0}},
     "gmpo": {
         "algorithm": {
             "loss": "gmpo",
@@ -82,7 +83,8 @@ ASYNC_VARIANTS: dict[str, dict] = {
         "algorithm": {"proximal": "interpolate", "is_mode": "mis", "is_level": "geometric"}
     },
     "grpo+opsm": {"algorithm": {"proximal": "interpolate", "seq_mask": "kl"}},
-    "cispo (behaviour)": {"algorithm": {"loss": "cispo", "proximal": "behaviour"}},
+    "cispo (behaviour)": {"algorithm": {"loss": "cispo", "proximal": "behaviour", "eps_clip": 1.0}},
+    "cispo, lower bound 0.8 (behaviour)": {"algorithm": {"loss": "cispo", "proximal": "behaviour"}},
     "gmpo (behaviour)": {
         "algorithm": {
             "loss": "gmpo",
