@@ -51,10 +51,7 @@ def grpo_advantages(
         return values.clone()
     if not normalize_std:
         return centered
-    # Two-pass variance (mean of squared deviations) stays exact for large, nearly equal rewards.
-    variances = torch.zeros_like(counts).index_add(0, index, centered * centered) / counts
-    stds = variances.sqrt()
-    return centered / (stds[index] + eps)
+    return centered / (_group_std(centered, counts, index) + eps)
 
 
 def _group_centered(rewards: Tensor, group_index: Tensor):
@@ -69,6 +66,13 @@ def _group_centered(rewards: Tensor, group_index: Tensor):
     counts = zeros.index_add(0, index, torch.ones_like(values)).clamp(min=1)
     means = zeros.index_add(0, index, values) / counts
     return values, values - means[index], counts, index
+
+
+def _group_std(centered: Tensor, counts: Tensor, index: Tensor) -> Tensor:
+    """[N] population std of each row's group, from the group-centred values; two-pass (mean of
+    squared deviations), so it stays exact for large, nearly equal rewards."""
+    variances = torch.zeros_like(counts).index_add(0, index, centered * centered) / counts
+    return variances.sqrt()[index]
 
 
 def rloo_advantages(
@@ -95,8 +99,7 @@ def rloo_advantages(
     loo = torch.where(g > 1, centered * g / (g - 1).clamp(min=1), torch.zeros_like(centered))
     if not normalize_std:
         return loo
-    variances = torch.zeros_like(counts).index_add(0, index, centered * centered) / counts
-    return loo / (variances.sqrt()[index] + eps)
+    return loo / (_group_std(centered, counts, index) + eps)
 
 
 def _batch_whiten(values: Tensor, lengths: Tensor | None, eps: float = 1e-6) -> Tensor:
