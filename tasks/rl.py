@@ -27,8 +27,7 @@ from flytekit import Resources, task
 from flytekit.extras.accelerators import H100
 
 from relax_core.config import RunConfig, config_to_dict
-from relax_core.models import policy
-from relax_core.run.prepare import PolicySpec
+from relax_core.run import prepare
 from tasks.pods import TRAINER_IMAGE, sglang_rollout_pod
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -102,7 +101,7 @@ def prepare_policy(spec_json: str, cache_dir: str) -> str:
     Cached on exactly the settings that determine it, so runs that differ only in RL settings
     share one warm start.
     """
-    return policy.prepare_policy(PolicySpec.from_json(spec_json), cache_dir)
+    return prepare.prepare_policy(prepare.PolicySpec.from_json(spec_json), cache_dir)
 
 
 @task(requests=CPU)
