@@ -39,12 +39,15 @@ from typing import Any
 from relax_core.rewards.extract import clip, final_answer, last_boxed
 from relax_core.rewards.math_symbolic import (
     MAX_CHARS,
+    RELATIONS,
     TEXT_GROUP,
     Answer,
     Group,
     Scalar,
     Value,
+    normalise,
     read_answer,
+    top_level,
 )
 from relax_core.rewards.result import RewardResult
 
@@ -209,6 +212,30 @@ def _last_number_equal(extracted: str, want: Decimal) -> bool:
     return last is not None and numbers_equal(last, want)
 
 
+_ARITHMETIC = ("+", "-", "*", "\\cdot", "\\times")
+_TIMES_TEN = re.compile(r"\s*10\s*\^")
+
+
+def unevaluated(text: str) -> bool:
+    """True when `text` still holds arithmetic to do at its top level ("23+45", "2*8", "12 - 7"),
+    not a value: a leading sign, a fraction, a root, a power and `1.5\\times10^{3}` are values.
+    Against a numeric gold answer such a response restates its question ("23+45=" asks for 68),
+    so it is not read as its value; the last-number rule judges it, as before LaTeX was read."""
+    s = normalise(text)
+    relations = top_level(s, RELATIONS) or []
+    if relations:
+        pos, sep = relations[-1]
+        s = s[pos + len(sep) :]
+    for pos, op in top_level(s, set(_ARITHMETIC)) or []:
+        before, after = s[:pos].rstrip(), s[pos + len(op) :]
+        if op == "-" and (not before or before.endswith(("e", "E", ","))):
+            continue  # a sign, or the exponent of 1e-3
+        if op in ("*", "\\cdot", "\\times") and _TIMES_TEN.match(after):
+            continue  # scientific notation
+        return True
+    return False
+
+
 def _judge(extracted: str, gold: str, want: Decimal | None) -> tuple[bool, str]:
     """(correct, method) for an answer pair that is not two plain numbers; `want` is the gold
     answer as a plain number, if it is one."""
@@ -227,6 +254,8 @@ def _judge(extracted: str, gold: str, want: Decimal | None) -> tuple[bool, str]:
         if gold_read is not None and pred_read is not None and answers_equal(pred_read, gold_read):
             return True, "latex"
         return False, "math_verify"
+    if want is not None and expr is not None and unevaluated(expr):
+        pred_read = None
     if pred_read is not None and gold_read is not None:
         # Before the last-number rule, which would take "\sqrt{5}" for 5 and "2^{3}" for 3.
         return answers_equal(pred_read, gold_read), "latex"

@@ -45,7 +45,7 @@ _SPACE = re.compile(r"\\[,;:! ]|\\q?quad\b|~")
 _GROUPED = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _OPENERS = {"(": ")", "[": "]", "{": "}", "\\{": "\\}"}
 _CLOSERS = {")", "]", "}", "\\}"}
-_RELATIONS = {"=", "\\approx"}
+RELATIONS = {"=", "\\approx"}
 _UNICODE = {"\u2212": "-", "\u00d7": "\\times ", "\u00b7": "\\cdot ", "\u03c0": "\\pi "}
 
 
@@ -305,7 +305,7 @@ def _divide(a: Value, b: Value) -> Value:
     return a / b
 
 
-def _normalise(text: str) -> str:
+def normalise(text: str) -> str:
     s = text.strip().replace("\\$", " ").replace("$", " ")
     for char, latex in _UNICODE.items():
         s = s.replace(char, latex)
@@ -322,7 +322,7 @@ def _normalise(text: str) -> str:
     return s.strip().rstrip(".").strip()
 
 
-def _top_level(text: str, seps: set[str]) -> list[tuple[int, str]] | None:
+def top_level(text: str, seps: set[str]) -> list[tuple[int, str]] | None:
     """Positions of separators outside brackets, or None if the brackets do not balance."""
     depth, out, i = 0, [], 0
     while i < len(text):
@@ -357,7 +357,7 @@ def _scalar(text: str) -> Scalar:
 
 
 def _items(inner: str) -> tuple[Scalar, ...]:
-    commas = _top_level(inner, {","})
+    commas = top_level(inner, {","})
     if commas is None:
         raise _Unreadable
     bounds = [-1, *(pos for pos, _ in commas), len(inner)]
@@ -365,21 +365,21 @@ def _items(inner: str) -> tuple[Scalar, ...]:
 
 
 def _read(text: str) -> Answer:
-    s = _normalise(text)
-    relations = _top_level(s, _RELATIONS)
+    s = normalise(text)
+    relations = top_level(s, RELATIONS)
     if relations is None:
         raise _Unreadable
     if relations:
         pos, sep = relations[-1]
         s = s[pos + len(sep) :].strip()
-    if s.startswith("\\{") and s.endswith("\\}") and _top_level(s[2:-2], {","}) is not None:
+    if s.startswith("\\{") and s.endswith("\\}") and top_level(s[2:-2], {","}) is not None:
         return Group("{", "}", _items(s[2:-2]))
     if not s:
         raise _Unreadable
     # "(1, 2)" and "[0, 1)" are groups; "(1)(2)" is not, its first bracket closes early.
-    if s[0] in "([" and s[-1] in ")]" and _top_level(s[1:-1], {","}):
+    if s[0] in "([" and s[-1] in ")]" and top_level(s[1:-1], {","}):
         return Group(s[0], s[-1], _items(s[1:-1]))
-    commas = _top_level(s, {","})
+    commas = top_level(s, {","})
     if commas and not _GROUPED.fullmatch(s.removesuffix("%").strip()):
         return Group("{", "}", _items(s))
     return _scalar(s)

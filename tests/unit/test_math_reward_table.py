@@ -44,7 +44,13 @@ CASES: list[tuple[str, str, bool]] = [
     ("\\boxed{\\sqrt[3]{27}}", "3", True),
     ("\\boxed{2^{10}}", "1024", True),
     ("\\boxed{2^{3}}", "3", False),  # 8; its last number, 3, must not count
-    ("\\boxed{3 \\cdot 4}", "12", True),
+    # Arithmetic left to do is not an answer to a numeric question: on "23+45=" a policy that
+    # echoes the question would otherwise be paid for it (the last-number rule judges these).
+    ("\\boxed{3 \\cdot 4}", "12", False),
+    ("23+45", "68", False),
+    ("Answer: 23+45", "68", False),
+    ("23+45=68", "68", True),
+    ("1.5\\times10^{3}", "1500", True),  # scientific notation is a value
     ("\\boxed{2\\sqrt{2}}", "2.828427125", True),  # 2.8284271247...: within 1e-6
     ("\\boxed{\\binom{5}{2}}", "10", True),
     # pi
