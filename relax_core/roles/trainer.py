@@ -88,14 +88,24 @@ def _count_by_staleness(
     masked: torch.Tensor,
     clipped: torch.Tensor,
 ) -> None:
+    """Add, per staleness k of the live tokens, [log-ratio sum, tokens, masked, clipped] to
+    `mismatch[k]`; one transfer to the host per micro-batch."""
     live = mask > 0
-    for k in torch.unique(staleness[live]).tolist():
-        at = live & (staleness == k)
-        sums = mismatch.setdefault(int(k), [0.0, 0.0, 0.0, 0.0])
-        sums[0] += float(gap[at].sum())
-        sums[1] += float(at.sum())
-        sums[2] += float((masked & at).sum())
-        sums[3] += float((clipped & at).sum())
+    k = staleness[live].long().clamp(min=0)
+    values = torch.stack(
+        [
+            gap[live],
+            torch.ones_like(gap[live]),
+            masked[live].to(gap.dtype),
+            clipped[live].to(gap.dtype),
+        ],
+        dim=1,
+    )
+    sums = torch.zeros(int(k.max()) + 1 if k.numel() else 0, 4, dtype=gap.dtype, device=gap.device)
+    for stale, row in enumerate(sums.index_add(0, k, values.detach()).tolist()):
+        if row[1]:
+            acc = mismatch.setdefault(stale, [0.0, 0.0, 0.0, 0.0])
+            acc[:] = [a + b for a, b in zip(acc, row, strict=True)]
 
 
 def mismatch_metrics(mismatch: dict[int, list[float]]) -> dict[str, float]:
