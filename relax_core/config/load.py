@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -32,10 +33,37 @@ class ConfigError(ValueError):
 class RunConfig(RunSections):
     """A whole run's config; `pyflyte run ... --cfg x.yaml` builds one with `from_json`."""
 
+    def __post_init__(self) -> None:
+        # Parts of the run's state left unset live under storage.root; resolved here, so every
+        # task (and cfg_json) sees the explicit place.
+        for section, values in derived_locations(self).items():
+            resolved = dataclasses.replace(getattr(self, section), **values)
+            object.__setattr__(self, section, resolved)
+
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
         """Strict parse of a JSON document; `pyflyte run --cfg x.yaml` hands the YAML to this."""
         return config_from_dict(json.loads(text))
+
+
+def _under(root: str, name: str) -> str:
+    return f"{root.rstrip('/')}/{name}" if "://" in root else os.path.join(root, name)
+
+
+def derived_locations(cfg: RunSections) -> dict[str, dict[str, str]]:
+    """section -> {field: value} for the storage places `cfg` leaves empty."""
+    root, endpoint = cfg.storage.root, cfg.storage.endpoint_url
+    out: dict[str, dict[str, str]] = {"queue": {}, "checkpoint": {}}
+    if not cfg.queue.root:
+        out["queue"]["root"] = _under(root, "queue")
+    queue_root = cfg.queue.root or out["queue"]["root"]
+    if endpoint and not cfg.queue.endpoint_url and queue_root.startswith(("s3://", "s3a://")):
+        out["queue"]["endpoint_url"] = endpoint
+    if not cfg.checkpoint.dir:
+        out["checkpoint"]["dir"] = _under(root, "checkpoints")
+    if not cfg.checkpoint.policy_cache_dir:
+        out["checkpoint"]["policy_cache_dir"] = _under(root, "policies")
+    return {k: v for k, v in out.items() if v}
 
 
 # --------------------------------------------------------------------------- loading
@@ -135,6 +163,11 @@ def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
 def replace(cfg: RunConfig, **sections: dict[str, Any]) -> RunConfig:
     """Copy of cfg with fields of sections changed, e.g. replace(cfg, train={"total_steps": 5})."""
     data = config_to_dict(cfg)
+    if "storage" in sections:  # places derived from the old root follow the new one
+        for section, values in derived_locations(RunSections(storage=cfg.storage)).items():
+            for name, value in values.items():
+                if data[section][name] == value:
+                    data[section][name] = ""
     for section, values in sections.items():
         if isinstance(values, dict):
             data[section].update(values)

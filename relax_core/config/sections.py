@@ -299,15 +299,39 @@ class TrackingConfig:
 
 
 @dataclass(frozen=True)
+class StorageConfig:
+    """Where a run's state lives. On a cluster every task is a new pod with an empty disk, so
+    everything one task leaves for another goes here, never to a local path."""
+
+    root: str = ".relax"
+    """A local directory, or an fsspec URL such as s3://bucket/prefix on a cluster. The queue,
+    checkpoints, prepared policies, published weights and reports go under it unless
+    queue.root, checkpoint.dir or checkpoint.policy_cache_dir name another place."""
+    endpoint_url: str = ""
+    """S3 endpoint for s3:// URLs (MinIO, SeaweedFS...); empty = AWS. Credentials come from the
+    usual AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY environment."""
+    scratch_dir: str = ""
+    """Local directory a task copies checkpoint and policy files into before loading them (once
+    per content); empty = $TMPDIR/relax-scratch. Unused when the root is local."""
+
+    def options(self) -> dict:
+        """fsspec options for URLs under `root`."""
+        if self.endpoint_url:
+            return {"client_kwargs": {"endpoint_url": self.endpoint_url}}
+        return {}
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
-    dir: str = ".relax/checkpoints"
-    """Where runs keep their checkpoints, one folder per run id."""
+    dir: str = ""
+    """Where runs keep their checkpoints, one folder per run id; empty = {storage.root}/checkpoints."""
     resume: bool = False
     """Resume the newest checkpoint of the newest run with this run_name."""
     resume_from: str = ""
     """Resume this checkpoint directory exactly (overrides resume)."""
-    policy_cache_dir: str = ".relax/policies"
-    """Where prepared starting policies (warm-started or converted from GGUF) are cached."""
+    policy_cache_dir: str = ""
+    """Where prepared starting policies (warm-started or converted from GGUF) are cached; empty =
+    {storage.root}/policies."""
 
 
 @dataclass(frozen=True)
@@ -334,3 +358,4 @@ class RunSections:
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)

@@ -17,6 +17,8 @@ from relax_core.config import ConfigError
 from relax_core.roles.service import ROLES, load_run_config, run_role
 from relax_core.roles.trainer_ranks import follow_rank0
 from relax_core.run.role_services import serve_fn
+from relax_core.storage import is_committed
+from relax_core.train.checkpoint import STATE_FILE, local_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,11 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if not os.path.isdir(args.checkpoint):
-        print(f"error: --checkpoint {args.checkpoint} is not a directory", file=sys.stderr)
+    if not is_committed(args.checkpoint, STATE_FILE, cfg.storage.options()):
+        print(f"error: --checkpoint {args.checkpoint} is not a checkpoint", file=sys.stderr)
         return 2
     if args.role == "trainer" and rank > 0:
-        follow_rank0(cfg, args.checkpoint)
+        options, scratch = cfg.storage.options(), cfg.storage.scratch_dir
+        follow_rank0(cfg, local_checkpoint(args.checkpoint, options, scratch))
     else:
         run_role(args.role, serve_fn(args.role), cfg, args.run, args.checkpoint, args.worker)
     return 0

@@ -14,6 +14,9 @@ from transformers.utils import logging as hf_logging
 from relax_core.models.omni import SPEC_FILE as OMNI_SPEC_FILE
 from relax_core.models.omni import load_omni
 
+PREPARED_MARKER = "PREPARED.json"
+"""Written last into a prepared starting policy's directory (run/prepare.py): it is whole."""
+
 
 def load_policy(directory: str, dtype: str = "float32", video_fps: float = 2.0):
     """(model, tokenizer) from a prepared policy or checkpoint directory; `video_fps` is the

@@ -53,7 +53,9 @@ from relax_core.ops.processes import (
 )
 from relax_core.queue import open_queue
 from relax_core.roles.cores import ENV as CORE_SHARE_ENV
+from relax_core.storage import join, local_dir_for, read_json, remove_file, where, write_json
 from relax_core.train import checkpoint as ckpt
+from relax_core.train.checkpoint import FINAL_CHECKPOINT
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +69,13 @@ class GaveUp(RuntimeError):
 class Supervisor:
     def __init__(self, cfg: RunConfig, checkpoint: str) -> None:
         self.cfg = cfg
-        self.checkpoint = os.path.abspath(checkpoint)
-        self.run_id = ckpt.read_state(checkpoint)["run_id"]
-        self.run_dir = os.path.abspath(os.path.join(cfg.checkpoint.dir, self.run_id))
+        self.options = cfg.storage.options()
+        self.checkpoint = where(checkpoint)
+        self.run_id = ckpt.read_state(checkpoint, self.options)["run_id"]
+        self.run_dir = where(join(cfg.checkpoint.dir, self.run_id))
+        """The run's checkpoints and reports (a local directory or a URL)."""
+        self.local_dir = local_dir_for(self.run_dir, cfg.storage.scratch_dir)
+        """What stays on this machine: logs, the roles' config file, core shares, the API."""
         self.queue = open_queue(cfg.queue, self.run_id)
         self.procs: list[RoleProcess] = []
         """Every process started, incarnations included (the accounting)."""
@@ -89,27 +95,26 @@ class Supervisor:
 
     def _prepare(self) -> str:
         """Fresh control state for this launch; returns the config file the roles read."""
-        os.makedirs(os.path.join(self.run_dir, "logs"), exist_ok=True)
+        os.makedirs(os.path.join(self.local_dir, "logs"), exist_ok=True)
         # A previous launch of this run (a resume) left its stop marker and the address of a
         # trainer that no longer listens; neither may reach the new services.
         for path in ("control/stop", "control/rendezvous/weights"):
             self.queue.store.delete(path)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(self.run_dir, "final_checkpoint"))
-        shutil.rmtree(os.path.join(self.run_dir, "cores"), ignore_errors=True)
-        cfg_path = os.path.join(self.run_dir, "config.json")
+        remove_file(join(self.run_dir, FINAL_CHECKPOINT), self.options)
+        shutil.rmtree(os.path.join(self.local_dir, "cores"), ignore_errors=True)
+        cfg_path = os.path.join(self.local_dir, "config.json")
         with open(cfg_path, "w") as f:
             json.dump(config_to_dict(self.cfg), f, sort_keys=True)
         return cfg_path
 
     def _newest_checkpoint(self) -> str:
-        found = ckpt.list_checkpoints(self.run_dir)
+        found = ckpt.list_checkpoints(self.run_dir, self.options)
         return found[-1] if found else self.checkpoint
 
     def _start(self, role: str, worker: int) -> RoleProcess:
         name = f"{role}-{worker}"
         incarnation = sum(1 for p in self.procs if p.name == name)
-        log_path = os.path.join(self.run_dir, "logs", f"{name}.log")
+        log_path = os.path.join(self.local_dir, "logs", f"{name}.log")
         rp = RoleProcess(role, worker, log_path, incarnation, started=time.perf_counter())
         cmd = [*role_launcher(self.cfg, role), "--cfg", self._cfg_path]
         cmd += ["--run-id", self.run_id, "--checkpoint", self._newest_checkpoint()]
@@ -160,10 +165,8 @@ class Supervisor:
     def _write_accounting(self) -> None:
         keep = [f.name for f in fields(RoleProcess) if f.name != "proc"]
         rows = [{k: getattr(rp, k) for k in keep} for rp in self.procs]
-        with open(os.path.join(self.run_dir, "roles.json"), "w") as f:
-            json.dump(rows, f, indent=1)
-        with open(os.path.join(self.run_dir, "recovery.json"), "w") as f:
-            json.dump(self.report(), f, indent=1)
+        write_json(join(self.run_dir, "roles.json"), rows, self.options)
+        write_json(join(self.run_dir, "recovery.json"), self.report(), self.options)
 
     def report(self) -> dict:
         return {
@@ -187,14 +190,14 @@ class Supervisor:
         s = self.cfg.services
         token = api_token()
         self.api = ScaleServer(self.pool, s.scale_api_host, s.scale_api_port, token)
-        path = write_api_file(self.run_dir, self.api.url, token)
+        path = write_api_file(self.local_dir, self.api.url, token)
         log.info("elastic rollout API at %s (URL and token in %s)", self.api.url, path)
 
     def run(self) -> str:
         """Run every role until the trainer finishes; returns the final checkpoint."""
         self._cfg_path = self._prepare()
         env = dict(os.environ)
-        env[CORE_SHARE_ENV] = f"{os.path.join(self.run_dir, 'cores')}:{usable_cores()}"
+        env[CORE_SHARE_ENV] = f"{os.path.join(self.local_dir, 'cores')}:{usable_cores()}"
         env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         env.setdefault("PYTHONUNBUFFERED", "1")
         self._env = env
@@ -216,15 +219,14 @@ class Supervisor:
             if self.api is not None:
                 self.api.close()
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.run_dir, "scale_api.json"))
+                    os.unlink(os.path.join(self.local_dir, "scale_api.json"))
             if any(rp.exit_code is None for rp in self.live.values()):
                 self.queue.stop()
                 self._terminate(10.0)
             self._write_accounting()
             if previous_sigterm is not None:
                 signal.signal(signal.SIGTERM, previous_sigterm)
-        with open(os.path.join(self.run_dir, "final_checkpoint")) as f:
-            return f.read().strip()
+        return read_json(join(self.run_dir, FINAL_CHECKPOINT), self.options)["checkpoint"]
 
     def _start_all(self) -> None:
         self.live = {}

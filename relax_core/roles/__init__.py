@@ -7,5 +7,5 @@ Shared by the roles: service.py (context, heartbeats, stop, the stage-serving lo
 (media per policy kind), evaluation.py (held-out eval), cores.py (CPU cores between local roles).
 
 May import: algorithms, config, data, envs, models, multimodal, pool, queue, rewards, rollout,
-sync, tracking, train.
+storage, sync, tracking, train.
 """

@@ -42,14 +42,20 @@ def add_ref_logprobs(
 def serve(ctx) -> None:
     """The reference service: `rollout` entries -> `ref` with ref_logprobs (KL anchor: the
     run's starting policy) and/or teacher_logprobs (distillation)."""
-    from relax_core.models.policy import load_policy, load_teacher
+    from relax_core.models.policy import PREPARED_MARKER, load_policy, load_teacher
     from relax_core.roles.media import resolver_for
     from relax_core.roles.service import serve_stage, set_threads
+    from relax_core.storage import local_copy
     from relax_core.train.checkpoint import read_state
 
     cfg = ctx.cfg
     set_threads(cfg.services.rollout_threads)
-    start_policy = read_state(ctx.checkpoint).get("policy_dir") or ctx.checkpoint
+    start_policy = read_state(ctx.checkpoint).get("policy_dir")
+    if start_policy:  # the KL anchor: the run's starting policy, wherever it is stored
+        options, scratch = cfg.storage.options(), cfg.storage.scratch_dir
+        start_policy = local_copy(start_policy, PREPARED_MARKER, options, scratch)
+    else:
+        start_policy = ctx.checkpoint
     model, tokenizer = load_policy(start_policy, cfg.model.dtype)
     frozen = []
     if cfg.algorithm.kl_coef > 0:

@@ -19,6 +19,9 @@ from typing import Any
 
 from relax_core.config import RunConfig, load_config
 from relax_core.queue import TransferQueue, open_queue
+from relax_core.storage import where
+from relax_core.train.checkpoint import local_checkpoint
+from relax_core.train.factory import TRAINING_STATE
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +48,10 @@ class RoleContext:
     cfg: RunConfig
     run_id: str
     checkpoint: str
+    """A local directory holding the checkpoint the role started from (what it loads)."""
     queue: TransferQueue
+    checkpoint_url: str = ""
+    """Where that checkpoint is in the run's storage (what is handed on)."""
     status: dict[str, Any] = field(default_factory=dict)
     """Shown in the heartbeat (and by `relax queue`): what the service is doing now."""
     _stop_seen: bool = False
@@ -101,7 +107,10 @@ def run_role(
 ) -> None:
     """Serve `role` in this process until the run stops (a Flyte task calls this directly)."""
     queue = open_queue(cfg.queue, run_id)
-    ctx = RoleContext(role, worker, cfg, run_id, os.path.abspath(checkpoint), queue)
+    # Only the trainer loads optimizer state: the other roles never download it.
+    skip = () if role == "trainer" else tuple(TRAINING_STATE.values())
+    local = local_checkpoint(checkpoint, cfg.storage.options(), cfg.storage.scratch_dir, skip)
+    ctx = RoleContext(role, worker, cfg, run_id, local, queue, checkpoint_url=where(checkpoint))
     ctx.status["state"] = "starting"
     ctx.start_heartbeats()
     serve(ctx)

@@ -4,5 +4,5 @@ session.py holds what a colocate run needs while it trains; evaluate.py evaluate
 role_services.py names each async role's service. The Flyte tasks call these functions.
 
 May import: algorithms, config, data, envs, models, multimodal, ops, pool, queue, rewards, roles,
-rollout, sync, tracking, train.
+rollout, storage, sync, tracking, train.
 """

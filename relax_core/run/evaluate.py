@@ -10,12 +10,12 @@ run, so the MLflow UI shows the evaluation under the run that produced the weigh
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 from relax_core.config import RunConfig
 from relax_core.rewards import score_batch
 from relax_core.rollout.engine import SamplingParams
+from relax_core.storage import local_cache, where
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
@@ -67,7 +67,7 @@ def resolve_target(cfg: RunConfig, checkpoint: str, model: str) -> tuple[str, st
 
     uri = tracking_uri_of(cfg)
     pinned = resolve_model_uri(uri, model).uri
-    cache = os.path.join(cfg.checkpoint.policy_cache_dir, "registry")
+    cache = local_cache(cfg, "registry")
     return download_policy(uri, pinned, cache), pinned
 
 
@@ -95,7 +95,7 @@ def evaluate_checkpoint(
     tags = {
         "relax.kind": "evaluation",
         "relax.evaluates_run": state.run_id,
-        "relax.checkpoint": os.path.abspath(checkpoint),
+        "relax.checkpoint": where(checkpoint),
     }
     if model_uri:
         tags["relax.model_uri"] = model_uri
@@ -103,7 +103,7 @@ def evaluate_checkpoint(
         tags["mlflow.parentRunId"] = state.tracking_run_id
         tags["relax.training_mlflow_run"] = state.tracking_run_id
     params = {
-        "checkpoint": model_uri or os.path.abspath(checkpoint),
+        "checkpoint": model_uri or where(checkpoint),
         "k": k,
         "samples": n_samples,
         "eval_path": cfg.data.eval_path,
@@ -113,7 +113,7 @@ def evaluate_checkpoint(
     monitor.log_metrics(metrics, step=state.policy_version)
     monitor.finish("FINISHED")
     return {
-        "checkpoint": model_uri or os.path.abspath(checkpoint),
+        "checkpoint": model_uri or where(checkpoint),
         "policy_version": state.policy_version,
         "eval_accuracy": metrics["eval/accuracy"],
         "pass_at_k": metrics[f"eval/pass_at_{k}"],

@@ -11,7 +11,6 @@ returns a checkpoint path, so any node can be rerun or resumed from what the las
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import secrets
@@ -23,7 +22,9 @@ import torch
 
 from relax_core.config import ConfigError, RunConfig
 from relax_core.run.colocate import ColocateController
+from relax_core.run.prepare import MARKER, local_policy
 from relax_core.run.session import RunSession, RunState
+from relax_core.storage import is_committed, join, parent, where, write_json
 from relax_core.tracking import format_summary
 from relax_core.tracking.runs import monitor_for, run_tags, tracking_uri_of
 from relax_core.train import checkpoint as ckpt
@@ -75,10 +76,9 @@ def preflight(cfg: RunConfig) -> None:
     from relax_core.ops.notify import check_notify
 
     problems += check_notify(cfg.services.notify)
-    if cfg.checkpoint.resume_from and not os.path.isfile(
-        os.path.join(cfg.checkpoint.resume_from, ckpt.STATE_FILE)
-    ):
-        problems.append(f"checkpoint.resume_from: {cfg.checkpoint.resume_from} is not a checkpoint")
+    resume_from = cfg.checkpoint.resume_from
+    if resume_from and not is_committed(resume_from, ckpt.STATE_FILE, cfg.storage.options()):
+        problems.append(f"checkpoint.resume_from: {resume_from} is not a checkpoint")
     if not problems:
         # Storage last: it may wait on retries, and a typo above is cheaper to report first.
         from relax_core.queue import StorageError, check_queue_storage
@@ -93,30 +93,33 @@ def preflight(cfg: RunConfig) -> None:
 
 def start_run(cfg: RunConfig, policy_dir: str) -> str:
     """Checkpoint to continue from: the one to resume, or a new run's version 0 after eval."""
+    options = cfg.storage.options()
     if cfg.checkpoint.resume_from:
-        return os.path.abspath(cfg.checkpoint.resume_from)
+        return where(cfg.checkpoint.resume_from)
     if cfg.checkpoint.resume:
-        found = ckpt.find_resume_checkpoint(cfg.checkpoint.dir, cfg.run_name)
+        found = ckpt.find_resume_checkpoint(cfg.checkpoint.dir, cfg.run_name, options)
         if found:
             log.info("resuming %s", found)
-            return os.path.abspath(found)
+            return found
         log.warning(
             "resume: no checkpoint of run %r under %s; starting a new run",
             cfg.run_name,
             cfg.checkpoint.dir,
         )
-    if not os.path.isfile(os.path.join(policy_dir, "config.json")):
-        # Flyte's cache of prepare_policy can outlive the directory it returned (a deleted work
-        # dir, another machine): prepare the same policy again instead of failing on a path.
+    if not is_committed(policy_dir, MARKER, options):
+        # Flyte's cache of prepare_policy can outlive what it returned (a pruned cache, another
+        # storage root): prepare the same policy again instead of failing on a path.
         from relax_core.data.dataset import fingerprint
         from relax_core.run.prepare import PolicySpec, prepare_policy
 
         log.warning("prepared policy %s is gone; preparing it again", policy_dir)
         spec = PolicySpec.of(cfg, fingerprint(cfg.data.train_path))
-        policy_dir = prepare_policy(spec, cfg.checkpoint.policy_cache_dir)
+        policy_dir = prepare_policy(
+            spec, cfg.checkpoint.policy_cache_dir, options, cfg.storage.scratch_dir
+        )
     run_id = f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     state = RunState(run_id=run_id, policy_dir=policy_dir, started_at=time.time())
-    session = RunSession(cfg, policy_dir, state)
+    session = RunSession(cfg, local_policy(policy_dir, options, cfg.storage.scratch_dir), state)
     try:
         monitor = monitor_for(cfg, state.run_id, state.tracking_run_id)
         state.tracking_run_id = monitor.start(
@@ -125,7 +128,7 @@ def start_run(cfg: RunConfig, policy_dir: str) -> str:
         state.eval_before = ColocateController(session).evaluate()
         monitor.log_metrics(state.eval_before, step=0)
         monitor.flush()
-        return os.path.abspath(session.save_checkpoint())
+        return session.save_checkpoint()
     finally:
         session.close()
 
@@ -165,7 +168,8 @@ def finish_run(cfg: RunConfig, checkpoint: str) -> dict[str, Any]:
     monitor.start(dataclasses.asdict(cfg), run_tags(state.run_id, cfg.mode))
     monitor.log_metrics(after, step=state.policy_version)
     monitor.flush()
-    registered = register_final_policy(cfg, state, checkpoint, after, monitor.tracking_uri)
+    local = ckpt.local_checkpoint(checkpoint, cfg.storage.options(), cfg.storage.scratch_dir)
+    registered = register_final_policy(cfg, state, local, after, monitor.tracking_uri)
     monitor.finish("FINISHED")
     summary = {
         "eval_accuracy_before": state.eval_before.get("eval/accuracy"),
@@ -174,14 +178,14 @@ def finish_run(cfg: RunConfig, checkpoint: str) -> dict[str, Any]:
         "wall_time_s": time.time() - state.started_at,
         "mlflow_run_id": state.tracking_run_id,
         "mlflow_run_url": f"{monitor.tracking_uri}  {monitor.run_url()}",
-        "checkpoint": os.path.abspath(checkpoint),
+        "checkpoint": where(checkpoint),
         "registered_model": registered,
         "compare_url": compare_with_previous(monitor.tracking_uri, monitor),
     }
     print(format_summary(summary), file=sys.stderr, flush=True)
     summary["run_id"] = state.run_id
-    with open(os.path.join(session.run_dir, "summary.json"), "w") as f:
-        json.dump({**summary, "eval_before": state.eval_before, "eval_after": after}, f, indent=1)
+    report = {**summary, "eval_before": state.eval_before, "eval_after": after}
+    write_json(join(session.run_dir, "summary.json"), report, cfg.storage.options())
     return summary
 
 
@@ -248,14 +252,14 @@ def policy_spec_for(cfg: RunConfig, data_fingerprint: str):
     return PolicySpec.of(replace(cfg, model={"source": pinned}), data_fingerprint, uri)
 
 
-def read_version(checkpoint: str) -> int:
-    return int(ckpt.read_state(checkpoint)["policy_version"])
+def read_version(checkpoint: str, options: dict | None = None) -> int:
+    return int(ckpt.read_state(checkpoint, options)["policy_version"])
 
 
-def newest_checkpoint(checkpoint: str) -> str:
+def newest_checkpoint(checkpoint: str, options: dict | None = None) -> str:
     """The newest checkpoint of the run `checkpoint` belongs to (what a retried node resumes)."""
-    found = ckpt.list_checkpoints(os.path.dirname(os.path.abspath(checkpoint)))
-    return found[-1] if found else checkpoint
+    found = ckpt.list_checkpoints(parent(checkpoint), options)
+    return found[-1] if found else where(checkpoint)
 
 
 def run(cfg: RunConfig) -> dict[str, Any]:
@@ -267,12 +271,16 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     if cfg.train.torch_threads:
         torch.set_num_threads(cfg.train.torch_threads)
     spec = policy_spec_for(cfg, fingerprint(cfg.data.train_path))
-    checkpoint = start_run(cfg, prepare_policy(spec, cfg.checkpoint.policy_cache_dir))
+    policy = prepare_policy(
+        spec, cfg.checkpoint.policy_cache_dir, cfg.storage.options(), cfg.storage.scratch_dir
+    )
+    checkpoint = start_run(cfg, policy)
+    options = cfg.storage.options()
     if cfg.mode == "async":
         # Outside Flyte there is one machine: the roles run as supervised local processes.
         from relax_core.ops.supervisor import run_async_local
 
         checkpoint = run_async_local(cfg, checkpoint)
-    while cfg.mode == "colocate" and read_version(checkpoint) < cfg.train.total_steps:
+    while cfg.mode == "colocate" and read_version(checkpoint, options) < cfg.train.total_steps:
         checkpoint = run_steps(cfg, checkpoint, cfg.train.steps_per_node)
     return finish_run(cfg, checkpoint)

@@ -11,8 +11,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
-import uuid
 from dataclasses import dataclass, field
 
 from relax_core.config import (
@@ -32,10 +30,19 @@ from relax_core.models.omni import (
     media_placeholders,
     omni_spec,
 )
-from relax_core.models.policy import load_policy
+from relax_core.models.policy import PREPARED_MARKER, load_policy
 from relax_core.multimodal.media import media_limits
+from relax_core.storage import (
+    is_committed,
+    is_local,
+    join,
+    local_copy,
+    publish_dir,
+    scratch_root,
+    where,
+)
 
-MARKER = "PREPARED.json"
+MARKER = PREPARED_MARKER
 MOE_FIELDS = ("num_experts", "experts_per_token")
 
 
@@ -109,29 +116,32 @@ class PolicySpec:
         return f"{name}-{digest}"
 
 
-def prepare_policy(spec: PolicySpec, cache_dir: str) -> str:
-    """Absolute directory of the starting policy for `spec`, built once and then reused."""
-    target = os.path.abspath(os.path.join(cache_dir, spec.key()))
-    if os.path.isfile(os.path.join(target, MARKER)):
-        return target
-    model, tokenizer = _base_model(spec, cache_dir)
+def prepare_policy(
+    spec: PolicySpec, cache_dir: str, options: dict | None = None, scratch_dir: str = ""
+) -> str:
+    """Where the starting policy for `spec` is (under `cache_dir`, a directory or a URL), built
+    once and then reused: a published directory whose PREPARED.json marker comes last."""
+    target = join(cache_dir, spec.key())
+    if is_committed(target, MARKER, options):
+        return where(target)
+    # Downloads and conversions (GGUF, registry) stay on this task's disk.
+    local_cache = cache_dir if is_local(cache_dir) else scratch_root(scratch_dir)
+    model, tokenizer = _base_model(spec, local_cache)
     info: dict[str, object] = {"key": spec.key()}
     if spec.warm_start.steps > 0:
         info["warm_start_loss"] = _run_warm_start(spec, model, tokenizer)
-    staging = f"{target}.tmp-{uuid.uuid4().hex}"
-    os.makedirs(staging)
-    try:
+
+    def build(staging: str) -> dict[str, object]:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
-        with open(os.path.join(staging, MARKER), "w") as f:
-            json.dump(info, f)
-        if os.path.isdir(target):
-            shutil.rmtree(target)
-        os.rename(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return target
+        return info
+
+    return publish_dir(target, MARKER, build, options, scratch_dir)
+
+
+def local_policy(policy_dir: str, options: dict | None = None, scratch_dir: str = "") -> str:
+    """A local directory holding the prepared policy at `policy_dir` (copied once if remote)."""
+    return local_copy(policy_dir, MARKER, options, scratch_dir)
 
 
 def _base_model(spec: PolicySpec, cache_dir: str):

@@ -8,7 +8,6 @@ checkpoint and save itself into one; the controller decides when.
 from __future__ import annotations
 
 import copy
-import os
 import random
 
 import torch
@@ -22,6 +21,8 @@ from relax_core.rewards.registry import build_reward
 from relax_core.roles.episodes import env_runner
 from relax_core.roles.media import prompt_source, resolver_for
 from relax_core.rollout.torch_engine import TorchEngine
+from relax_core.run.prepare import local_policy
+from relax_core.storage import join, local_dir_for
 from relax_core.sync.inprocess import InProcessSync
 from relax_core.train import checkpoint as ckpt
 from relax_core.train.factory import has_training_state, make_backend
@@ -36,7 +37,9 @@ class RunSession:
             torch.set_num_threads(cfg.train.torch_threads)
         self.model, self.tokenizer = load_policy(model_dir, cfg.model.dtype)
         self.pad_token_id = self.tokenizer.pad_token_id
-        self.run_dir = os.path.join(cfg.checkpoint.dir, state.run_id)
+        scratch_dir = cfg.storage.scratch_dir
+        self.run_dir = join(cfg.checkpoint.dir, state.run_id)
+        """Where the run's checkpoints and reports go (a local directory or a URL)."""
         self.engine = self._engine(cfg, model_dir, state.policy_version)
         # Async mode trains in its own trainer service: this session evaluates and writes the
         # first checkpoint, whatever backend that service uses.
@@ -55,7 +58,7 @@ class RunSession:
         # the GGUF weights once.
         self.reward_fn = build_reward(
             cfg.reward,
-            cache_dir=os.path.join(cfg.checkpoint.policy_cache_dir, "hf"),
+            cache_dir=join(local_dir_for(cfg.checkpoint.policy_cache_dir, scratch_dir), "hf"),
             dtype=cfg.model.dtype,
             seed=cfg.seed,
         )
@@ -77,14 +80,18 @@ class RunSession:
 
     # ------------------------------------------------------------------ checkpoints
     @classmethod
-    def from_checkpoint(cls, cfg: RunConfig, path: str) -> RunSession:
+    def from_checkpoint(cls, cfg: RunConfig, checkpoint: str) -> RunSession:
+        """The session `checkpoint` (a local directory or a URL) left, loaded from a local copy."""
+        options, scratch = cfg.storage.options(), cfg.storage.scratch_dir
+        path = ckpt.local_checkpoint(checkpoint, options, scratch)
         state = RunState.from_dict(ckpt.read_state(path))
         session = cls(cfg, path, state)
         if has_training_state(path, session.backend_name):
             session.backend.load(path)
         if session.ref_model is not None and state.policy_dir:
             # The KL anchor is the starting policy, not the checkpoint being resumed.
-            session.ref_model, _ = load_policy(state.policy_dir, cfg.model.dtype)
+            start = local_policy(state.policy_dir, options, scratch)
+            session.ref_model, _ = load_policy(start, cfg.model.dtype)
             session.ref_model.eval().requires_grad_(False)
         session._restore_rng()
         return session
@@ -93,7 +100,8 @@ class RunSession:
         if cfg.rollout.engine == "sglang":  # the server takes turns with the trainer
             from relax_core.rollout.sglang_colocate import start_colocated
 
-            return start_colocated(cfg, model_dir, version, self.run_dir)
+            local_run = local_dir_for(self.run_dir, cfg.storage.scratch_dir)
+            return start_colocated(cfg, model_dir, version, local_run)
         engine_model = copy.deepcopy(self.model)
         if cfg.train.routing_replay:  # the engine records the experts the trainer replays
             attach_routing_replay(engine_model)

@@ -1,27 +1,39 @@
 """Resumable checkpoints: one directory per policy version, written whole or not at all.
 
-Layout: `{checkpoint_dir}/{run_id}/step_{version:06d}/` holding the HF model (safetensors), the
-tokenizer, `optimizer.pt` (tensors only, loaded with weights_only=True) and `state.json` (policy
-version, dataset cursor, queue cursors, RNG states, tracking run id). A checkpoint is staged in a
-temporary sibling directory and renamed into place, so a crash never leaves a half checkpoint
-that looks complete.
+Layout: `{checkpoint.dir}/{run_id}/step_{version:06d}/` holding the HF model (safetensors), the
+tokenizer, the backend's optimizer state (tensors only, loaded with weights_only=True) and
+`state.json` (policy version, dataset cursor, queue cursors, RNG states, tracking run id).
+`checkpoint.dir` is a local directory or a URL (s3://bucket/prefix/checkpoints). state.json is
+the commit marker: staged and renamed into place on local disk, uploaded after every other file
+on an object store (storage/dirs.py), so a crash never leaves a half checkpoint that looks
+complete. Resume takes the newest committed one; pruning never removes it.
 """
 
 from __future__ import annotations
 
 import base64
-import json
-import os
-import shutil
-import uuid
+import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from relax_core.queue.store import ObjectStore
+from relax_core.storage import (
+    join,
+    local_copy,
+    name_of,
+    publish_dir,
+    read_json,
+    remove_dir,
+    where,
+)
+
 STATE_FILE = "state.json"
+FINAL_CHECKPOINT = "final_checkpoint.json"
+"""In a run's directory: {"checkpoint": where} once the async trainer has trained every step."""
 _PREFIX = "step_"
+_STEP = re.compile(rf"^{_PREFIX}\d+$")
 
 
 def step_dir_name(version: int) -> str:
@@ -29,62 +41,84 @@ def step_dir_name(version: int) -> str:
 
 
 def save_checkpoint(
-    run_dir: str, version: int, write_model: Callable[[str], None], state: dict[str, Any], keep: int
+    run_dir: str,
+    version: int,
+    write_model: Callable[[str], None],
+    state: dict[str, Any],
+    keep: int,
+    options: dict | None = None,
+    scratch_dir: str = "",
 ) -> str:
-    """Stage, then publish `run_dir/step_{version}`; prune to the newest `keep`. Returns its path."""
-    os.makedirs(run_dir, exist_ok=True)
-    final = os.path.join(run_dir, step_dir_name(version))
-    staging = os.path.join(run_dir, f".tmp-{uuid.uuid4().hex}")
-    os.makedirs(staging)
-    try:
+    """Publish `run_dir/step_{version}` whole; prune to the newest `keep`. Returns where it is."""
+
+    def build(staging: str) -> dict[str, Any]:
         write_model(staging)
-        with open(os.path.join(staging, STATE_FILE), "w") as f:
-            json.dump(state, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.exists(final):  # the same version re-saved after a resume
-            shutil.rmtree(final)
-        os.rename(staging, final)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        return state
+
+    final = publish_dir(
+        join(run_dir, step_dir_name(version)), STATE_FILE, build, options, scratch_dir
+    )
+    committed = list_checkpoints(run_dir, options)
+    for old in committed[: max(0, len(committed) - max(1, keep))]:
+        remove_dir(old, STATE_FILE, options)
+    for orphan in _uncommitted(run_dir, committed, options):
+        remove_dir(orphan, STATE_FILE, options)
     return final
 
 
-def list_checkpoints(run_dir: str) -> list[str]:
-    """Complete checkpoints of a run, oldest first."""
-    if not os.path.isdir(run_dir):
+def list_checkpoints(run_dir: str, options: dict | None = None) -> list[str]:
+    """Committed checkpoints of a run, oldest first."""
+    return [join(where(run_dir), n) for n in _step_names(run_dir, options, committed=True)]
+
+
+def _step_names(run_dir: str, options: dict | None, committed: bool) -> list[str]:
+    store = ObjectStore(run_dir, options)
+    names = [n for n in store.list_dir("") if _STEP.match(n)]
+    if not committed:
+        return sorted(names)
+    if store.is_local:
+        return sorted(n for n in names if store.exists(f"{n}/{STATE_FILE}"))
+    found = store.read_many([f"{n}/{STATE_FILE}" for n in names], max_bytes=1)
+    return sorted(n for n in names if f"{n}/{STATE_FILE}" in found)
+
+
+def _uncommitted(run_dir: str, committed: list[str], options: dict | None) -> list[str]:
+    """Step directories without a marker older than the newest committed one: uploads a killed
+    trainer left half done. (Newer ones may be an upload in progress.)"""
+    if not committed:
         return []
-    names = sorted(n for n in os.listdir(run_dir) if n.startswith(_PREFIX))
-    return [
-        os.path.join(run_dir, n)
-        for n in names
-        if os.path.isfile(os.path.join(run_dir, n, STATE_FILE))
-    ]
+    newest = name_of(committed[-1])
+    done = {name_of(c) for c in committed}
+    names = _step_names(run_dir, options, committed=False)
+    return [join(where(run_dir), n) for n in names if n not in done and n < newest]
 
 
-def read_state(checkpoint: str) -> dict[str, Any]:
-    path = os.path.join(checkpoint, STATE_FILE)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{checkpoint} is not a checkpoint (no {STATE_FILE})")
-    with open(path) as f:
-        return json.load(f)
+def read_state(checkpoint: str, options: dict | None = None) -> dict[str, Any]:
+    try:
+        return read_json(join(checkpoint, STATE_FILE), options)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{checkpoint} is not a checkpoint (no {STATE_FILE})") from None
 
 
-def find_resume_checkpoint(checkpoint_root: str, run_name: str) -> str | None:
+def local_checkpoint(
+    checkpoint: str,
+    options: dict | None = None,
+    scratch_dir: str = "",
+    exclude: tuple[str, ...] = (),
+) -> str:
+    """A local directory holding `checkpoint` (itself if local; else copied once into scratch,
+    without the files or folders in `exclude`, e.g. optimizer state a role never loads)."""
+    return local_copy(checkpoint, STATE_FILE, options, scratch_dir, exclude)
+
+
+def find_resume_checkpoint(
+    checkpoint_root: str, run_name: str, options: dict | None = None
+) -> str | None:
     """Newest checkpoint of the newest run named `<run_name>-<timestamp>` that has one."""
-    root = Path(checkpoint_root)
-    if not root.is_dir():
-        return None
-    runs = sorted(
-        (p for p in root.iterdir() if p.is_dir() and p.name.startswith(f"{run_name}-")),
-        key=lambda p: p.name,
-        reverse=True,
-    )
+    store = ObjectStore(checkpoint_root, options)
+    runs = sorted((n for n in store.list_dir("") if n.startswith(f"{run_name}-")), reverse=True)
     for run in runs:
-        found = list_checkpoints(str(run))
+        found = list_checkpoints(join(where(checkpoint_root), run), options)
         if found:
             return found[-1]
     return None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Callable
 
 from relax_core.config import RunConfig
@@ -55,7 +54,7 @@ def train_until(
             if v % cfg.train.checkpoint_every == 0 or v == target:
                 # Flushed first: a checkpoint never exists without the metrics that led to it.
                 monitor.flush()
-                latest = os.path.abspath(save())
+                latest = save()
     finally:
         bar.close()
         monitor.flush()

@@ -52,4 +52,6 @@ def save_run_checkpoint(run_dir: str, state: RunState, cfg: RunConfig, backend, 
         write_model,
         {**dataclasses.asdict(state), "config": dataclasses.asdict(cfg)},
         cfg.train.keep_checkpoints,
+        cfg.storage.options(),
+        cfg.storage.scratch_dir,
     )

@@ -1,0 +1,211 @@
+"""Directories published whole under a run's storage root, and local copies of them.
+
+A published directory (a checkpoint, a prepared policy) is "whole or not at all":
+- on local disk it is built in a staging sibling and renamed into place (rename is atomic);
+- on an object store, where there is no rename, its files are uploaded first and its commit
+  marker last. The marker is JSON the caller chooses (a checkpoint's state.json) plus `files`,
+  each file's size and sha256. A directory without its marker is not there for readers.
+
+`local_copy` gives a task a local directory to load from: a local place as it is, a remote one
+downloaded once into scratch under a key derived from its marker (so from the files' hashes),
+each file streamed to disk rather than held in memory. Two processes of one machine asking for
+the same copy share it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from relax_core.queue.store import ObjectStore
+from relax_core.storage.locations import is_local, join, scratch_root, where
+
+_HASH_CHUNK = 8 << 20
+
+
+def _store(location: str, options: dict | None) -> ObjectStore:
+    return ObjectStore(location, options)
+
+
+def is_committed(location: str, marker: str, options: dict | None = None) -> bool:
+    """Whether a whole directory is published at `location` (its marker is there)."""
+    if is_local(location):
+        return os.path.isfile(join(where(location), marker))
+    return _store(location, options).exists(marker)
+
+
+def read_json(location: str, options: dict | None = None) -> Any:
+    """The JSON document at a file location (local path or URL)."""
+    if is_local(location):
+        with open(location) as f:
+            return json.load(f)
+    store = _store(location.rsplit("/", 1)[0], options)
+    return json.loads(store.read_bytes(location.rsplit("/", 1)[1]))
+
+
+def write_json(location: str, value: Any, options: dict | None = None) -> None:
+    """Write (or replace) a small JSON document at a file location, whole or not at all."""
+    data = json.dumps(value, indent=1, sort_keys=True).encode()
+    if is_local(location):
+        directory = os.path.dirname(os.path.abspath(location))
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, location)
+        return
+    parent_url, name = location.rsplit("/", 1)
+    _store(parent_url, options).write_replace(name, data)
+
+
+def publish_dir(
+    location: str,
+    marker: str,
+    build: Callable[[str], dict[str, Any]],
+    options: dict | None = None,
+    scratch_dir: str = "",
+) -> str:
+    """Build a directory with `build(staging_dir) -> marker document` and publish it whole at
+    `location` (replacing what is there). Returns the location as handed to other tasks."""
+    if is_local(location):
+        return _publish_local(where(location), marker, build)
+    staging = os.path.join(scratch_root(scratch_dir), f".publish-{uuid.uuid4().hex}")
+    os.makedirs(staging)
+    try:
+        document = dict(build(staging))
+        files = _manifest(staging)
+        files.pop(marker, None)
+        document["files"] = files
+        store = _store(location, options)
+        store.delete(marker)  # a directory being replaced is not there until its new marker is
+        for name in store.walk_files(""):
+            if name not in files:
+                store.delete(name)
+        for name in sorted(files):
+            store.put_file(os.path.join(staging, name), name)
+        store.write_replace(marker, json.dumps(document, indent=1, sort_keys=True).encode())
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return where(location)
+
+
+def _publish_local(final: str, marker: str, build: Callable[[str], dict[str, Any]]) -> str:
+    parent_dir = os.path.dirname(final)
+    os.makedirs(parent_dir, exist_ok=True)
+    staging = os.path.join(parent_dir, f".tmp-{uuid.uuid4().hex}")
+    os.makedirs(staging)
+    try:
+        document = build(staging)
+        with open(os.path.join(staging, marker), "w") as f:
+            json.dump(document, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(final):  # the same directory published again (a resumed run)
+            shutil.rmtree(final)
+        os.rename(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return final
+
+
+def _manifest(directory: str) -> dict[str, dict[str, Any]]:
+    """relative path -> {size, sha256} of every file under `directory`."""
+    out = {}
+    for base, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(base, name)
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                while chunk := f.read(_HASH_CHUNK):
+                    digest.update(chunk)
+            rel = os.path.relpath(path, directory).replace(os.sep, "/")
+            out[rel] = {"size": os.path.getsize(path), "sha256": digest.hexdigest()}
+    return out
+
+
+def remove_dir(location: str, marker: str, options: dict | None = None) -> None:
+    """Unpublish, then delete, a directory: its marker goes first, so a reader never takes a
+    half-deleted directory for a whole one."""
+    if is_local(location):
+        path = where(location)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(path, marker))
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    store = _store(location, options)
+    store.delete(marker)
+    store.delete_tree("")
+
+
+def local_copy(
+    location: str,
+    marker: str,
+    options: dict | None = None,
+    scratch_dir: str = "",
+    exclude: tuple[str, ...] = (),
+) -> str:
+    """A local directory holding the published directory at `location` (without the files or
+    folders named in `exclude`, which a task that does not need them never downloads)."""
+    if is_local(location):
+        path = where(location)
+        if not os.path.isfile(os.path.join(path, marker)):
+            raise FileNotFoundError(f"{path} is not a published directory (no {marker})")
+        return path
+    store = _store(location, options)
+    try:
+        raw = store.read_bytes(marker)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{location} is not a published directory (no {marker}): it was never committed, "
+            "or it was pruned"
+        ) from None
+    files = json.loads(raw).get("files") or {n: {} for n in store.walk_files("") if n != marker}
+    wanted = sorted(n for n in files if not _excluded(n, exclude))
+    key = hashlib.sha256(raw + json.dumps(sorted(exclude)).encode()).hexdigest()[:24]
+    target = os.path.join(scratch_root(scratch_dir), "copies", key)
+    if os.path.isfile(os.path.join(target, marker)):
+        return target
+    tmp = f"{target}.tmp-{uuid.uuid4().hex}"
+    os.makedirs(tmp)
+    try:
+        for name in wanted:
+            local = os.path.join(tmp, name)
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            store.get_file(name, local)
+            size = files[name].get("size")
+            if size is not None and os.path.getsize(local) != size:
+                raise OSError(
+                    f"{location}/{name}: downloaded {os.path.getsize(local)} bytes, the marker "
+                    f"says {size}; the directory changed while it was read"
+                )
+        with open(os.path.join(tmp, marker), "wb") as f:
+            f.write(raw)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process of this machine made the same copy first
+            if not os.path.isfile(os.path.join(target, marker)):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _excluded(name: str, exclude: tuple[str, ...]) -> bool:
+    return any(name == e or name.startswith(f"{e}/") for e in exclude)
+
+
+def remove_file(location: str, options: dict | None = None) -> None:
+    """Delete one file (local path or URL) if it is there."""
+    if is_local(location):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(location)
+        return
+    parent_url, name = location.rsplit("/", 1)
+    _store(parent_url, options).delete(name)
