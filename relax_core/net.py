@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 
@@ -10,3 +11,13 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+POD_IP_ENV = "RELAX_POD_IP"
+"""The pod's address, as Kubernetes' downward API gives it (status.podIP)."""
+
+
+def pod_address() -> str:
+    """The address other pods reach this one at: $RELAX_POD_IP, else what the hostname
+    resolves to (a Kubernetes pod's hostname resolves to its pod IP)."""
+    return os.environ.get(POD_IP_ENV) or socket.gethostbyname(socket.gethostname())

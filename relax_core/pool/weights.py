@@ -49,9 +49,9 @@ def make_sender(cfg: RunConfig, queue: TransferQueue, specs: list[Any]):
     host = s.sync_host
     if s.launch == "tasks" and host in ("", "127.0.0.1", "localhost"):
         # Role pods reach the trainer at its pod address, not at loopback.
-        import socket
+        from relax_core.net import pod_address
 
-        host = socket.gethostbyname(socket.gethostname())
+        host = pod_address()
     from relax_core.sync.sglang import SGLangSender
 
     broadcast = None

@@ -79,6 +79,8 @@ def preflight(cfg: RunConfig) -> None:
     resume_from = cfg.checkpoint.resume_from
     if resume_from and not is_committed(resume_from, ckpt.STATE_FILE, cfg.storage.options()):
         problems.append(f"checkpoint.resume_from: {resume_from} is not a checkpoint")
+    if os.environ.get(CLUSTER_ENV):
+        problems += cluster_problems(cfg)
     if not problems:
         # Storage last: it may wait on retries, and a typo above is cheaper to report first.
         from relax_core.queue import StorageError, check_queue_storage
@@ -89,6 +91,35 @@ def preflight(cfg: RunConfig) -> None:
             problems.append(f"queue.root: {exc}")
     if problems:
         raise ConfigError("config cannot run:\n  - " + "\n  - ".join(problems))
+
+
+CLUSTER_ENV = "FLYTE_INTERNAL_EXECUTION_ID"
+"""Set by Flyte in every task pod of a cluster execution (absent in local execution)."""
+
+
+def cluster_problems(cfg: RunConfig) -> list[str]:
+    """What breaks when every task is its own pod: run state or tracking on a pod's disk."""
+    problems = []
+    places = {
+        "storage.root": cfg.storage.root,
+        "queue.root": cfg.queue.root,
+        "checkpoint.dir": cfg.checkpoint.dir,
+        "checkpoint.policy_cache_dir": cfg.checkpoint.policy_cache_dir,
+    }
+    for name, place in places.items():
+        under_root = name != "storage.root" and place.startswith(cfg.storage.root)
+        if ("://" not in place or place.startswith("file://")) and not under_root:
+            problems.append(
+                f"{name}: {place!r} is a pod's own disk on a cluster, gone when the task ends; "
+                "set storage.root to an object-store URL such as s3://bucket/prefix"
+            )
+    uri = tracking_uri_of(cfg)
+    if not uri.startswith(("http://", "https://", "databricks")):
+        problems.append(
+            f"tracking.tracking_uri: {uri!r} would give every pod its own MLflow store; point "
+            "tracking.tracking_uri (or MLFLOW_TRACKING_URI) at an MLflow server (http://...)"
+        )
+    return problems
 
 
 def start_run(cfg: RunConfig, policy_dir: str) -> str:
