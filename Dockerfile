@@ -1,7 +1,8 @@
 # The default image for Flyte tasks on a cluster (`pyflyte register --image ...`): the engine, the
 # CPU torch build pinned in pyproject.toml, and the SmolLM2 GGUF weights package. It runs the light
-# tasks (prepare_data, policy_spec, advantages) and the SGLang rollout driver; GPU tasks run in
-# containers/trainer, the SGLang server in containers/rollout (named images: tasks/pods.py).
+# tasks (prepare_data, policy_spec, advantages), the SGLang rollout driver and every task of a
+# CPU-only run; GPU tasks run in containers/trainer, the SGLang server in containers/rollout (named
+# images: tasks/pods.py, what each task gets: tasks/resources.py).
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 MLFLOW_DISABLE_TELEMETRY=true \

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from flytekit import Resources, task
+from flytekit import task
 
 from relax_core.config import RunConfig
+from tasks.resources import registered
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
@@ -24,7 +25,7 @@ class EvalSummary:
     training_mlflow_run_id: str
 
 
-@task(requests=Resources(cpu="2", mem="8Gi"), retries=1)
+@task(**registered("evaluate_checkpoint"), retries=1)
 def evaluate_checkpoint(
     cfg: RunConfig, checkpoint: str, model: str, k: int, samples: int
 ) -> EvalSummary:

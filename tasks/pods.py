@@ -1,21 +1,31 @@
-"""What the role tasks run in on a cluster: one image per role and the SGLang rollout pod.
+"""What the role tasks run in on a cluster: one image per role, and the pods a container alone
+cannot describe. What each task gets is decided from the run config in tasks/resources.py; this
+module only builds the Kubernetes objects.
 
 Images are named, resolved when the workflows are registered:
 
     pyflyte register --image ghcr.io/org/relax:v1 \\
         --image trainer=ghcr.io/org/relax-trainer:v1 --image rollout=ghcr.io/org/relax-rollout:v1
 
-- default (`Dockerfile`): the engine with CPU torch; light tasks and the SGLang rollout driver.
+- default (`Dockerfile`): the engine with CPU torch; light tasks, a CPU-only run's tasks, and the
+  SGLang rollout driver.
 - trainer (`containers/trainer/Dockerfile`): CUDA torch + megatron-core; every task that holds
   the model on a GPU.
 - rollout (`containers/rollout/Dockerfile`): the SGLang server, run as the sidecar of the
   rollout pod.
 
-The SGLang rollout pod: the primary container (the rollout service, CPU only: it drives the
-engine over HTTP) writes the starting policy into a shared `emptyDir` and the sidecar
+`model_pod`: the task's container plus a memory-backed /dev/shm (NCCL between the GPUs of one pod
+and SGLang's tensor-parallel workers outgrow the container runtime's 64 MiB default) and, for a
+pod that drives SGLang servers in other pods, their API key.
+
+`sglang_rollout_pod`: the primary container (the rollout service, CPU only: it drives the engine
+over HTTP) writes the starting policy into a shared `emptyDir`; the sidecar
 (`containers/rollout/serve.sh`) starts `sglang.launch_server` on it once it is complete, on the
-pod's GPU, listening on loopback only. /dev/shm is a memory volume, as SGLang's tensor-parallel
-workers need more than the container default.
+sidecar's GPUs, listening on the pod's address, since the trainer in another pod drives its
+weight updates. The primary publishes `http://<pod IP>:30000` (Kubernetes expands
+`$(RELAX_POD_IP)`, the downward API's status.podIP, in RELAX_SGLANG_URL). Both containers read
+the API key from the run's secret: the server requires it on everything but /health*, and the
+rollout client sends it (relax_core/rollout/sglang_engine.py).
 """
 
 from __future__ import annotations
@@ -26,55 +36,105 @@ from kubernetes.client import (
     V1ContainerPort,
     V1EmptyDirVolumeSource,
     V1EnvVar,
+    V1EnvVarSource,
     V1HTTPGetAction,
+    V1ObjectFieldSelector,
     V1PodSpec,
     V1Probe,
     V1ResourceRequirements,
+    V1SecretKeySelector,
     V1Toleration,
     V1Volume,
     V1VolumeMount,
 )
 
+from relax_core.rollout.sglang_engine import API_KEY_ENV
+
 TRAINER_IMAGE = "{{.image.trainer.fqn}}:{{.image.trainer.version}}"
 ROLLOUT_IMAGE = "{{.image.rollout.fqn}}:{{.image.rollout.version}}"
 
 SGLANG_PORT = 30000
-SGLANG_URL = f"http://127.0.0.1:{SGLANG_PORT}"
+SGLANG_URL = f"http://$(RELAX_POD_IP):{SGLANG_PORT}"
+"""What the rollout service publishes for the trainer; the pod IP var must come first in env."""
+SECRET_KEY = "api-key"
+"""The key, in the run's secret (sglang.api_key_secret), that holds the SGLang API key."""
 MODEL_DIR = "/models"
 """Shared by the two containers: the primary writes `policy/` and then `policy/READY`."""
 PRIMARY = "primary"
 SIDECAR = "sglang"
+GPU = "nvidia.com/gpu"
+
+_SHM = V1Volume(name="dshm", empty_dir=V1EmptyDirVolumeSource(medium="Memory"))
+_SHM_MOUNT = V1VolumeMount(name="dshm", mount_path="/dev/shm")
+_ON_GPU_NODES = [V1Toleration(key=GPU, operator="Exists", effect="NoSchedule")]
 
 
-def sglang_rollout_pod(gpus: int = 1, tensor_parallel: int = 1) -> PodTemplate:
-    """The rollout pod: the rollout service plus an SGLang server sidecar on `gpus` GPUs."""
+def api_key_env(secret: str) -> V1EnvVar:
+    """$RELAX_SGLANG_API_KEY from the run's secret; no `optional`: a pod whose secret is missing
+    does not start, rather than run a server anyone in the cluster may update."""
+    ref = V1SecretKeySelector(name=secret, key=SECRET_KEY)
+    return V1EnvVar(name=API_KEY_ENV, value_from=V1EnvVarSource(secret_key_ref=ref))
+
+
+def model_pod(image: str | None, gpus: int, shm: bool, api_key_secret: str = "") -> PodTemplate:
+    """The task's own container (`image`; None = the task's) with a memory /dev/shm when `shm`,
+    and the SGLang API key when `api_key_secret` names the run's secret."""
+    primary = V1Container(
+        name=PRIMARY,
+        image=image,
+        env=[api_key_env(api_key_secret)] if api_key_secret else None,
+        volume_mounts=[_SHM_MOUNT] if shm else None,
+    )
+    spec = V1PodSpec(
+        containers=[primary],
+        volumes=[_SHM] if shm else None,
+        tolerations=_ON_GPU_NODES if gpus else None,
+    )
+    return PodTemplate(primary_container_name=PRIMARY, pod_spec=spec)
+
+
+def sglang_rollout_pod(
+    server_args: list[str],
+    gpus: int,
+    requests: dict[str, str],
+    limits: dict[str, str],
+    api_key_secret: str,
+) -> PodTemplate:
+    """The rollout pod: the rollout service plus an SGLang server sidecar on `gpus` GPUs, started
+    with `server_args` (tensor parallel and the other flags the run's config decides)."""
     shared = V1VolumeMount(name="models", mount_path=MODEL_DIR)
+    model_env = V1EnvVar(name="RELAX_MODEL_DIR", value=f"{MODEL_DIR}/policy")
+    if gpus:
+        requests, limits = {**requests, GPU: str(gpus)}, {**limits, GPU: str(gpus)}
     sidecar = V1Container(
         name=SIDECAR,
         image=ROLLOUT_IMAGE,
         command=["/opt/relax/serve.sh"],
+        args=list(server_args),
         env=[
-            V1EnvVar(name="RELAX_MODEL_DIR", value=f"{MODEL_DIR}/policy"),
+            model_env,
+            V1EnvVar(name="SGLANG_HOST", value="0.0.0.0"),
             V1EnvVar(name="SGLANG_PORT", value=str(SGLANG_PORT)),
-            V1EnvVar(name="SGLANG_TP", value=str(tensor_parallel)),
+            api_key_env(api_key_secret),
         ],
         ports=[V1ContainerPort(container_port=SGLANG_PORT, name="sglang")],
-        resources=V1ResourceRequirements(
-            requests={"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": str(gpus)},
-            limits={"cpu": "16", "memory": "96Gi", "nvidia.com/gpu": str(gpus)},
-        ),
+        resources=V1ResourceRequirements(requests=requests, limits=limits),
+        # SGLang answers /health without the API key, so the kubelet needs none.
         readiness_probe=V1Probe(
             http_get=V1HTTPGetAction(path="/health", port=SGLANG_PORT),
             period_seconds=10,
             failure_threshold=3,
         ),
-        volume_mounts=[shared, V1VolumeMount(name="dshm", mount_path="/dev/shm")],
+        volume_mounts=[shared, _SHM_MOUNT],
     )
+    pod_ip = V1EnvVarSource(field_ref=V1ObjectFieldSelector(field_path="status.podIP"))
     primary = V1Container(
         name=PRIMARY,
         env=[
+            V1EnvVar(name="RELAX_POD_IP", value_from=pod_ip),
             V1EnvVar(name="RELAX_SGLANG_URL", value=SGLANG_URL),
-            V1EnvVar(name="RELAX_MODEL_DIR", value=f"{MODEL_DIR}/policy"),
+            model_env,
+            api_key_env(api_key_secret),
         ],
         volume_mounts=[shared],
     )
@@ -82,12 +142,7 @@ def sglang_rollout_pod(gpus: int = 1, tensor_parallel: int = 1) -> PodTemplate:
         primary_container_name=PRIMARY,
         pod_spec=V1PodSpec(
             containers=[primary, sidecar],
-            volumes=[
-                V1Volume(name="models", empty_dir=V1EmptyDirVolumeSource()),
-                V1Volume(name="dshm", empty_dir=V1EmptyDirVolumeSource(medium="Memory")),
-            ],
-            tolerations=[
-                V1Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
-            ],
+            volumes=[V1Volume(name="models", empty_dir=V1EmptyDirVolumeSource()), _SHM],
+            tolerations=_ON_GPU_NODES if gpus else None,
         ),
     )

@@ -8,13 +8,16 @@ it hands the others the validated config as canonical JSON text. flytekit rebuil
 dataclass's literal type for every task interface (~1.3 s each here), which made a third of
 a CPU run's wall time; a string costs nothing.
 
-Resources are what a cluster schedules (local execution ignores them): light tasks get a small
-CPU pod; the tasks that hold the model get a GPU. rl_steps is interruptible (spot capacity): a
-preempted node restarts from the newest checkpoint it or an earlier attempt saved.
+Resources are what a cluster schedules (local execution ignores them), decided from the run
+config by tasks/resources.py: the decorators carry the registration config's ($RELAX_CONFIG, else
+the default: CPU only), and workflows/train.py's @dynamic nodes give the tasks they start the
+run's own. rl_steps is interruptible (spot capacity): a preempted node restarts from the newest
+checkpoint it or an earlier attempt saved.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import logging
@@ -23,26 +26,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import NamedTuple
 
-from flytekit import Resources, task
-from flytekit.extras.accelerators import H100
+from flytekit import task
 
 from relax_core.config import RunConfig, config_to_dict
+from relax_core.config.sections import StorageConfig
 from relax_core.run import prepare
-from tasks.pods import TRAINER_IMAGE, sglang_rollout_pod
+from relax_core.storage import parent, where
+from tasks.resources import registered
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-
-CPU = Resources(cpu="2", mem="8Gi")
-GPU = Resources(cpu="8", mem="64Gi", gpu="1")
-GPU_LIMITS = Resources(cpu="16", mem="96Gi", gpu="1")
-ON_GPU = {
-    "requests": GPU,
-    "limits": GPU_LIMITS,
-    "accelerator": H100,
-    "container_image": TRAINER_IMAGE,
-}
-"""What every task that holds a model asks of a cluster: one H100 and the CPU/memory around it,
-in the trainer image (CUDA torch + megatron-core)."""
 
 
 @dataclass
@@ -59,6 +51,10 @@ class RunSummary:
 class Prepared(NamedTuple):
     cfg_json: str
     data_fingerprint: str
+    policy_cache: str
+    """Where prepared policies are cached (checkpoint.policy_cache_dir, resolved)."""
+    storage_json: str
+    """The storage section as JSON: how prepare_policy reaches the cache."""
     execution: str
     """How the steps run: 'colocate', 'async-processes' (one task supervising local role
     processes) or 'async-tasks' (one task per role, in parallel on a cluster)."""
@@ -72,7 +68,7 @@ def _cfg(cfg_json: str) -> RunConfig:
     return RunConfig.from_json(cfg_json)
 
 
-@task(requests=CPU)
+@task(**registered("prepare_data"))
 def prepare_data(cfg: RunConfig) -> Prepared:
     """Validate everything a run needs before any work starts; returns the config as JSON and the
     train data fingerprint."""
@@ -84,27 +80,31 @@ def prepare_data(cfg: RunConfig) -> Prepared:
     return Prepared(
         cfg_json=cfg_json,
         data_fingerprint=fingerprint(cfg.data.train_path),
+        policy_cache=where(cfg.checkpoint.policy_cache_dir),
+        storage_json=json.dumps(dataclasses.asdict(cfg.storage), sort_keys=True),
         execution=execution_of(cfg),
     )
 
 
 @task(
-    **ON_GPU,
+    **registered("prepare_policy"),
     cache=True,
     cache_version="1",
     retries=1,
     timeout=timedelta(hours=2),
 )
-def prepare_policy(spec_json: str, cache_dir: str) -> str:
+def prepare_policy(spec_json: str, cache_dir: str, storage_json: str) -> str:
     """The starting policy: tiny model + supervised warm start, or a converted pretrained model.
 
     Cached on exactly the settings that determine it, so runs that differ only in RL settings
     share one warm start.
     """
-    return prepare.prepare_policy(prepare.PolicySpec.from_json(spec_json), cache_dir)
+    storage = StorageConfig(**json.loads(storage_json))
+    spec = prepare.PolicySpec.from_json(spec_json)
+    return prepare.prepare_policy(spec, cache_dir, storage.options(), storage.scratch_dir)
 
 
-@task(requests=CPU)
+@task(**registered("policy_spec"))
 def policy_spec(cfg_json: str, data_fingerprint: str) -> str:
     """The settings that determine the starting weights, as canonical JSON (the cache key); a
     registry source is pinned to the version it names now."""
@@ -113,7 +113,7 @@ def policy_spec(cfg_json: str, data_fingerprint: str) -> str:
     return policy_spec_for(_cfg(cfg_json), data_fingerprint).to_json()
 
 
-@task(**ON_GPU, retries=1, timeout=timedelta(hours=1))
+@task(**registered("start_run"), retries=1, timeout=timedelta(hours=1))
 def start_run(cfg_json: str, policy_dir: str) -> str:
     """New run: held-out eval at step 0 and checkpoint v0. Resume: the checkpoint to continue."""
     from relax_core.run import lifecycle
@@ -122,7 +122,7 @@ def start_run(cfg_json: str, policy_dir: str) -> str:
 
 
 @task(
-    **ON_GPU,
+    **registered("rl_steps"),
     retries=3,
     interruptible=True,
     timeout=timedelta(hours=6),
@@ -135,13 +135,12 @@ def rl_steps(cfg_json: str, checkpoint: str) -> str:
     from relax_core.run import lifecycle
 
     cfg = _cfg(cfg_json)
-    return lifecycle.run_steps(
-        cfg, lifecycle.newest_checkpoint(checkpoint), cfg.train.steps_per_node
-    )
+    start = lifecycle.newest_checkpoint(checkpoint, cfg.storage.options())
+    return lifecycle.run_steps(cfg, start, cfg.train.steps_per_node)
 
 
 @task(
-    **ON_GPU,
+    **registered("async_local"),
     retries=1,
     timeout=timedelta(hours=12),
 )
@@ -152,7 +151,8 @@ def async_local(cfg_json: str, checkpoint: str) -> str:
     from relax_core.ops.supervisor import run_async_local
     from relax_core.run import lifecycle
 
-    return run_async_local(_cfg(cfg_json), lifecycle.newest_checkpoint(checkpoint))
+    cfg = _cfg(cfg_json)
+    return run_async_local(cfg, lifecycle.newest_checkpoint(checkpoint, cfg.storage.options()))
 
 
 def _serve(role: str, cfg_json: str, checkpoint: str, worker: int = 0) -> None:
@@ -160,8 +160,9 @@ def _serve(role: str, cfg_json: str, checkpoint: str, worker: int = 0) -> None:
     from relax_core.run.role_services import serve_fn
     from relax_core.train.checkpoint import read_state
 
-    run_id = read_state(checkpoint)["run_id"]
-    run_role(role, serve_fn(role), _cfg(cfg_json), run_id, checkpoint, worker)
+    cfg = _cfg(cfg_json)
+    run_id = read_state(checkpoint, cfg.storage.options())["run_id"]
+    run_role(role, serve_fn(role), cfg, run_id, checkpoint, worker)
 
 
 def _serve_ranks(cfg_json: str, checkpoint: str) -> None:
@@ -171,13 +172,15 @@ def _serve_ranks(cfg_json: str, checkpoint: str) -> None:
     from relax_core.ops.processes import role_launcher
     from relax_core.train.checkpoint import read_state
 
-    cmd = [*role_launcher(_cfg(cfg_json), "trainer"), "--cfg", cfg_json]
-    cmd += ["--run-id", read_state(checkpoint)["run_id"], "--checkpoint", checkpoint]
+    cfg = _cfg(cfg_json)
+    cmd = [*role_launcher(cfg, "trainer"), "--cfg", cfg_json]
+    cmd += ["--run-id", read_state(checkpoint, cfg.storage.options())["run_id"]]
+    cmd += ["--checkpoint", checkpoint]
     subprocess.run(cmd, check=True)
 
 
 @task(
-    **ON_GPU,
+    **registered("trainer_service"),
     retries=3,
     timeout=timedelta(hours=12),
 )
@@ -187,17 +190,17 @@ def trainer_service(cfg_json: str, checkpoint: str) -> str:
     from relax_core.run import lifecycle
     from relax_core.train.checkpoint import list_checkpoints
 
-    start = lifecycle.newest_checkpoint(checkpoint)
+    options = _cfg(cfg_json).storage.options()
+    start = lifecycle.newest_checkpoint(checkpoint, options)
     if _cfg(cfg_json).services.trainer_gpus > 1:
         _serve_ranks(cfg_json, start)
     else:
         _serve("trainer", cfg_json, start)
-    run_dir = os.path.dirname(os.path.abspath(start))
-    return list_checkpoints(run_dir)[-1]
+    return list_checkpoints(parent(start), options)[-1]
 
 
 @task(
-    **ON_GPU,
+    **registered("rollout_service"),
     retries=3,
     interruptible=True,
     timeout=timedelta(hours=12),
@@ -209,8 +212,7 @@ def rollout_service(cfg_json: str, checkpoint: str, worker: int) -> None:
 
 
 @task(
-    requests=Resources(cpu="4", mem="16Gi"),
-    pod_template=sglang_rollout_pod(),
+    **registered("sglang_rollout_service"),
     retries=3,
     interruptible=True,
     timeout=timedelta(hours=12),
@@ -221,26 +223,26 @@ def sglang_rollout_service(cfg_json: str, checkpoint: str, worker: int) -> None:
     _serve("rollout", cfg_json, checkpoint, worker)
 
 
-@task(**ON_GPU, retries=3, timeout=timedelta(hours=12))
+@task(**registered("reference_service"), retries=3, timeout=timedelta(hours=12))
 def reference_service(cfg_json: str, checkpoint: str) -> None:
     """Async mode on a cluster: frozen reference / teacher log-probs."""
     _serve("reference", cfg_json, checkpoint)
 
 
-@task(**ON_GPU, retries=3, timeout=timedelta(hours=12))
+@task(**registered("actor_fwd_service"), retries=3, timeout=timedelta(hours=12))
 def actor_fwd_service(cfg_json: str, checkpoint: str) -> None:
     """Async mode on a cluster: proximal log-probs under the newest trainer weights."""
     _serve("actor_fwd", cfg_json, checkpoint)
 
 
-@task(requests=CPU, retries=3, timeout=timedelta(hours=12))
+@task(**registered("advantages_service"), retries=3, timeout=timedelta(hours=12))
 def advantages_service(cfg_json: str, checkpoint: str) -> None:
     """Async mode on a cluster: group-normalized advantages (CPU only)."""
     _serve("advantages", cfg_json, checkpoint)
 
 
 @task(
-    **ON_GPU,
+    **registered("finish_run"),
     retries=1,
     timeout=timedelta(hours=1),
     enable_deck=True,

@@ -11,16 +11,18 @@ summary). How the steps run is a branch of the graph, chosen by the config:
 - async-processes (`mode: async`, `services.launch: processes`): one async_local node that starts
   every role as an OS process and supervises it (local execution, or one big pod);
 - async-tasks (`services.launch: tasks`): async_roles, one task per role started side by side
-  (each with its own resources), connected by the queue and the weight-sync group; the trainer
-  task's output (the final checkpoint) is what finish_run waits for.
+  (each with the resources the run's own config asks, tasks/resources.py), connected by the
+  queue and the weight-sync group; the trainer task's output (the final checkpoint) is what
+  finish_run waits for.
 """
 
 from __future__ import annotations
 
-from flytekit import Resources, conditional, dynamic, workflow
+from flytekit import conditional, dynamic, workflow
 
 from relax_core.config import RunConfig
 from relax_core.train.checkpoint import read_state
+from tasks.resources import node_overrides
 from tasks.rl import (
     RunSummary,
     actor_fwd_service,
@@ -39,12 +41,22 @@ from tasks.rl import (
 )
 
 
+def loop_done(cfg_json: str, checkpoint: str) -> bool:
+    """Whether the run of `checkpoint` has trained every step (read from the run's storage)."""
+    cfg = RunConfig.from_json(cfg_json)
+    state = read_state(checkpoint, cfg.storage.options())
+    return state["policy_version"] >= cfg.train.total_steps
+
+
 @dynamic
 def rl_loop(cfg_json: str, checkpoint: str) -> str:
     """Recursion instead of a loop: a @dynamic builds its whole graph before running."""
-    if read_state(checkpoint)["policy_version"] >= RunConfig.from_json(cfg_json).train.total_steps:
+    if loop_done(cfg_json, checkpoint):
         return checkpoint
-    return rl_loop(cfg_json=cfg_json, checkpoint=rl_steps(cfg_json=cfg_json, checkpoint=checkpoint))
+    steps = rl_steps(cfg_json=cfg_json, checkpoint=checkpoint).with_overrides(
+        **node_overrides(RunConfig.from_json(cfg_json), rl_steps)
+    )
+    return rl_loop(cfg_json=cfg_json, checkpoint=steps)
 
 
 @dynamic
@@ -57,18 +69,18 @@ def async_roles(cfg_json: str, checkpoint: str) -> str:
     cfg = RunConfig.from_json(cfg_json)
     rollout = sglang_rollout_service if cfg.rollout.engine == "sglang" else rollout_service
     for worker in range(cfg.services.rollout_workers):
-        rollout(cfg_json=cfg_json, checkpoint=checkpoint, worker=worker)
+        node = rollout(cfg_json=cfg_json, checkpoint=checkpoint, worker=worker)
+        node.with_overrides(**node_overrides(cfg, rollout))
     services = {
         "reference": reference_service,
         "actor_fwd": actor_fwd_service,
         "advantages": advantages_service,
     }
     for role, _, _ in stage_chain(cfg):
-        services[role](cfg_json=cfg_json, checkpoint=checkpoint)
-    gpus = str(cfg.services.trainer_gpus)
+        node = services[role](cfg_json=cfg_json, checkpoint=checkpoint)
+        node.with_overrides(**node_overrides(cfg, services[role]))
     return trainer_service(cfg_json=cfg_json, checkpoint=checkpoint).with_overrides(
-        requests=Resources(cpu="8", mem="64Gi", gpu=gpus),
-        limits=Resources(cpu="16", mem="96Gi", gpu=gpus),
+        **node_overrides(cfg, trainer_service)
     )
 
 
@@ -77,7 +89,9 @@ def train(cfg: RunConfig) -> RunSummary:
     prepared = prepare_data(cfg=cfg)
     cfg_json = prepared.cfg_json
     spec = policy_spec(cfg_json=cfg_json, data_fingerprint=prepared.data_fingerprint)
-    policy_dir = prepare_policy(spec_json=spec, cache_dir=cfg.checkpoint.policy_cache_dir)
+    policy_dir = prepare_policy(
+        spec_json=spec, cache_dir=prepared.policy_cache, storage_json=prepared.storage_json
+    )
     start = start_run(cfg_json=cfg_json, policy_dir=policy_dir)
     final = (
         conditional("execution")

@@ -18,6 +18,8 @@ MODES = ("colocate", "async")
 LAUNCHES = ("processes", "tasks")
 WEIGHT_SYNCS = ("broadcast", "object_store")
 SYNC_BACKENDS = ("auto", "gloo", "nccl")
+RETENTIONS = ("prune", "keep")
+"""queue.retention: delete what every kept checkpoint is past, or keep every entry."""
 QWEN_MULTIMODAL = ("qwen2.5-vl", "qwen3-vl", "qwen2.5-omni", "qwen3-omni")
 """Qwen multimodal models from transformers (multimodal/qwen/families.py)."""
 MODEL_KINDS = ("tiny-qwen3", "tiny-omni", "pretrained", *QWEN_MULTIMODAL)
@@ -232,6 +234,7 @@ def validate(cfg: RunSections) -> list[str]:
     positive(e, "rollout.max_staleness", r.max_staleness, allow_zero=True)
     _check_services(e, cfg)
     _check_env(e, cfg)
+    _check_storage(e, cfg)
     q = cfg.queue
     if not q.root:
         e.append("queue.root: required (a local directory or s3://bucket/prefix)")
@@ -242,6 +245,8 @@ def validate(cfg: RunSections) -> list[str]:
     if not q.lease_ttl_s > 0:
         e.append(f"queue.lease_ttl_s: must be > 0, got {q.lease_ttl_s}")
     positive(e, "queue.retry_attempts", q.retry_attempts)
+    choice(e, "queue.retention", q.retention, RETENTIONS)
+    positive(e, "queue.keep_versions", q.keep_versions, allow_zero=True)
     if not cfg.reward.name:
         e.append("reward.name: required (a registered reward or 'module:function')")
     a = cfg.algorithm
@@ -277,3 +282,17 @@ def validate(cfg: RunSections) -> list[str]:
     if not cfg.queue.root:
         e.append("queue.root: required")
     return e
+
+
+def _check_storage(e: list[str], cfg) -> None:
+    st = cfg.storage
+    if not st.root:
+        e.append("storage.root: required (a local directory or a URL such as s3://bucket/prefix)")
+    if st.endpoint_url and not st.root.startswith(("s3://", "s3a://")):
+        e.append(f"storage.endpoint_url: only used with an s3:// root, but root is {st.root!r}")
+    if st.endpoint_url and not st.endpoint_url.startswith(("http://", "https://")):
+        e.append(
+            f"storage.endpoint_url: must start with http:// or https://, got {st.endpoint_url!r}"
+        )
+    if "://" in st.scratch_dir:
+        e.append(f"storage.scratch_dir: a local directory, got the URL {st.scratch_dir!r}")

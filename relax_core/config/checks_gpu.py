@@ -1,18 +1,47 @@
-"""Value checks of the GPU stacks' settings: the SGLang rollout engine and the FSDP2 and
-Megatron-core training backends. Called by checks.validate; no I/O (whether CUDA is
-there is the roles' concern, checked when they start)."""
+"""Value checks of the GPU stacks' settings: the accelerator a cluster gives the run, the SGLang
+rollout engine and the FSDP2 and Megatron-core training backends. Called by checks.validate; no
+I/O (whether CUDA is there is the roles' concern, checked when they start)."""
 
 from __future__ import annotations
+
+import re
 
 from relax_core.config.sections import RunSections
 
 BACKENDS = ("torch", "fsdp", "megatron")
+ACCELERATORS = (
+    "nvidia-a10g",
+    "nvidia-a100-80gb",
+    "nvidia-h100",
+    "nvidia-h200",
+    "nvidia-l4",
+    "nvidia-l4-vws",
+    "nvidia-l40s",
+    "nvidia-rtx-pro-6000",
+    "nvidia-tesla-a100",
+    "nvidia-tesla-k80",
+    "nvidia-tesla-m60",
+    "nvidia-tesla-p100",
+    "nvidia-tesla-p4",
+    "nvidia-tesla-t4",
+    "nvidia-tesla-v100",
+)
+"""services.accelerator: the NVIDIA GPUs flytekit.extras.accelerators names (the CUDA stacks run
+on nothing else; config/ imports no flytekit, so a test keeps the two lists equal)."""
+SECRET_NAME = re.compile(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?")
+"""A Kubernetes object name (an RFC 1123 subdomain), as sglang.api_key_secret must be."""
 PAUSE_MODES = ("retract", "in_place", "abort")
 MEGATRON_KINDS = ("tiny-qwen3", "pretrained")
 """Policies the Megatron backend converts (the Qwen3 family, dense and MoE)."""
 
 
 def check_gpu_stacks(e: list[str], cfg: RunSections) -> None:
+    accelerator = cfg.services.accelerator
+    if accelerator and accelerator not in ACCELERATORS:
+        e.append(
+            f"services.accelerator: {accelerator!r} is not one of '' (a CPU-only run), "
+            f"{', '.join(ACCELERATORS)}"
+        )
     if cfg.rollout.engine == "sglang":
         _check_sglang(e, cfg)
     _check_backend(e, cfg)
@@ -28,6 +57,11 @@ def _check_sglang(e: list[str], cfg: RunSections) -> None:
         e.append(f"sglang.start_timeout_s: must be > 0, got {g.start_timeout_s}")
     if g.url and not g.url.startswith(("http://", "https://")):
         e.append(f"sglang.url: must start with http:// or https://, got {g.url!r}")
+    if not SECRET_NAME.fullmatch(g.api_key_secret):
+        e.append(
+            f"sglang.api_key_secret: {g.api_key_secret!r} is not a Kubernetes secret name "
+            "(lower-case letters, digits, '-' and '.', at most 253)"
+        )
     if cfg.mode == "colocate" and g.release_memory and not g.handoff_dir:
         e.append("sglang.handoff_dir: required in colocate mode (weights go through it)")
     if cfg.mode == "async" and cfg.services.weight_sync != "broadcast":

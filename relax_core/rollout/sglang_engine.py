@@ -43,6 +43,7 @@ import numpy as np
 from relax_core.rollout.engine import Completion, SamplingParams
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+API_KEY_ENV = "RELAX_SGLANG_API_KEY"
 
 
 class SGLangError(RuntimeError):
@@ -50,7 +51,11 @@ class SGLangError(RuntimeError):
 
 
 class SGLangClient:
-    """JSON over HTTP to one server; every failure names the server, the path and the reason."""
+    """JSON over HTTP to one server; every failure names the server, the path and the reason.
+
+    A server started with `--api-key` (the rollout pod's sidecar on a cluster) answers nothing
+    but /health without it; the key comes from $RELAX_SGLANG_API_KEY, which the rollout and
+    trainer pods get from the run's Kubernetes secret (tasks/pods.py)."""
 
     def __init__(self, url: str, timeout_s: float = 600.0, api_key: str | None = None) -> None:
         url = url.rstrip("/")
@@ -58,7 +63,7 @@ class SGLangClient:
             raise ValueError(f"SGLang server URL must start with http:// or https://, got {url!r}")
         self.url = url
         self.timeout_s = timeout_s
-        self.api_key = api_key if api_key is not None else os.environ.get("SGLANG_API_KEY")
+        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
 
     def get(self, path: str, timeout_s: float | None = None) -> Any:
         return self._call("GET", path, None, timeout_s)

@@ -50,29 +50,23 @@ def server_command(
 ) -> list[str]:
     """The `sglang.launch_server` command line. Token ids go in and out (the rollout role holds
     the tokenizer), so the server skips its own tokenizer."""
-    cmd = [
-        python,
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        model_path,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--tp-size",
-        str(tp_size),
-        "--mem-fraction-static",
-        str(cfg.mem_fraction_static),
-        "--weight-version",
-        str(version),
-        "--skip-tokenizer-init",
-    ]
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path]
+    cmd += ["--host", host, "--port", str(port), "--weight-version", str(version)]
+    cmd.append("--skip-tokenizer-init")
+    return cmd + server_flags(tp_size, cfg, memory_saver, routed_experts)
+
+
+def server_flags(
+    tp_size: int, cfg: SGLangConfig, memory_saver: bool = False, routed_experts: bool = False
+) -> list[str]:
+    """The launch flags the run's settings decide, shared by a server started here and the
+    rollout pod's sidecar (containers/rollout/serve.sh adds model, address and version)."""
+    flags = ["--tp-size", str(tp_size), "--mem-fraction-static", str(cfg.mem_fraction_static)]
     if memory_saver:
-        cmd.append("--enable-memory-saver")
+        flags.append("--enable-memory-saver")
     if routed_experts:
-        cmd.append("--enable-return-routed-experts")
-    return cmd + shlex.split(cfg.extra_args)
+        flags.append("--enable-return-routed-experts")
+    return flags + shlex.split(cfg.extra_args)
 
 
 def _die_with_parent() -> None:

@@ -93,8 +93,8 @@ def preflight(cfg: RunConfig) -> None:
         raise ConfigError("config cannot run:\n  - " + "\n  - ".join(problems))
 
 
-CLUSTER_ENV = "FLYTE_INTERNAL_EXECUTION_ID"
-"""Set by Flyte in every task pod of a cluster execution (absent in local execution)."""
+CLUSTER_ENV = "KUBERNETES_SERVICE_HOST"
+"""Set by Kubernetes in every pod (so in every task of a cluster execution), never locally."""
 
 
 def cluster_problems(cfg: RunConfig) -> list[str]:

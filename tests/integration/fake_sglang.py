@@ -13,6 +13,10 @@ An MoE policy (a config with num_experts) serves `return_routed_experts` as SGLa
 (models/routing_replay.py records them); a dense policy refuses the field, as a server
 launched without `--enable-return-routed-experts` has nothing to return.
 
+With `--api-key` it refuses (401) every request but /health* that lacks `Authorization: Bearer
+<key>`, as SGLang's middleware does for a server started with that flag (sglang 0.5.23:
+srt/utils/auth.py, decide_request_auth).
+
 Test-only endpoints: `GET /relax_test/events` (what happened, in order: generate start/end with
 the weight version, update begin/end, pause, continue) and `GET /relax_test/digest` (sha256 of
 every parameter's bytes), so a test can check weights arrived bit-exact and that no generation
@@ -291,7 +295,7 @@ class FakeSGLang:
             }
 
 
-def serve(state: FakeSGLang, port: int) -> ThreadingHTTPServer:
+def serve(state: FakeSGLang, port: int, api_key: str = "") -> ThreadingHTTPServer:
     posts = {
         "/generate": state.generate,
         "/init_weights_update_group": state.init_group,
@@ -314,7 +318,17 @@ def serve(state: FakeSGLang, port: int) -> ThreadingHTTPServer:
             self.end_headers()
             self.wfile.write(raw)
 
+        def _refused(self) -> bool:
+            """SGLang's rule with --api-key: the key on everything but /health*."""
+            allowed = self.headers.get("Authorization") == f"Bearer {api_key}"
+            if not api_key or allowed or self.path.startswith("/health"):
+                return False
+            self._send(401, {"error": "Unauthorized"})
+            return True
+
         def do_GET(self):
+            if self._refused():
+                return
             gets = {
                 "/health": lambda: None,
                 "/get_model_info": lambda: {
@@ -331,6 +345,8 @@ def serve(state: FakeSGLang, port: int) -> ThreadingHTTPServer:
             self._send(200, gets[self.path]())
 
         def do_POST(self):
+            if self._refused():
+                return
             if self.path not in posts:
                 return self._send(404, {"detail": "Not Found"})
             try:
@@ -361,6 +377,7 @@ def main() -> None:
     p.add_argument("--tiny-seed", type=int, default=0, help="else: the tests' tiny policy")
     p.add_argument("--generate-delay-s", type=float, default=0.0)
     p.add_argument("--weight-version", default="default")
+    p.add_argument("--api-key", default="")
     a = p.parse_args()
     torch.set_num_threads(1)
     if a.checkpoint:
@@ -373,7 +390,7 @@ def main() -> None:
         model, tok = tiny_policy(a.tiny_seed)
     state = FakeSGLang(model, tok.eos_token_id, tok.pad_token_id, a.generate_delay_s)
     state.weight_version = a.weight_version
-    serve(state, a.port).serve_forever()
+    serve(state, a.port, a.api_key).serve_forever()
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from tests.s3servers import free_ports
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _start(port: int, delay: float = 0.0) -> subprocess.Popen:
+def _start(port: int, delay: float = 0.0, api_key: str = "") -> subprocess.Popen:
     return subprocess.Popen(
         [
             sys.executable,
@@ -38,6 +38,7 @@ def _start(port: int, delay: float = 0.0) -> subprocess.Popen:
             str(port),
             "--generate-delay-s",
             str(delay),
+            *(["--api-key", api_key] if api_key else []),
         ],
         cwd=ROOT,
     )
@@ -178,3 +179,36 @@ def test_refusals_and_unreachable_servers_are_named(servers):
         SGLangClient("localhost:30000")
     with pytest.raises(NotImplementedError, match="update_weights_from_distributed"):
         SGLangEngine(servers[0]).update_weights([], 1)
+
+
+def test_a_server_with_an_api_key_serves_the_run_s_clients_only(monkeypatch):
+    # The rollout pod's sidecar runs with --api-key from the run's secret; the rollout service
+    # and the trainer read it from $RELAX_SGLANG_API_KEY.
+    (port,) = free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    proc = _start(port, api_key="run-key")
+    monkeypatch.delenv("RELAX_SGLANG_API_KEY", raising=False)
+    trainer, _ = tiny_policy(3)
+    named = list(trainer.named_parameters())
+    try:
+        wait_healthy(SGLangClient(url), 120, proc)  # /health needs no key: the kubelet's probe
+        outsider = SGLangEngine(SGLangClient(url))
+        with pytest.raises(SGLangError, match=f"{url}/generate: HTTP 401"):
+            outsider.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+        stranger = SGLangSender([("sg-0", url)], specs_of(named), timeout_s=30)
+        with pytest.raises(SGLangError, match="HTTP 401"):
+            stranger.push(named, 1)  # nobody else can make it join a weight group
+        stranger.destroy()
+        monkeypatch.setenv("RELAX_SGLANG_API_KEY", "run-key")
+        engine = SGLangEngine(SGLangClient(url))
+        assert len(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))) == 1
+        sender = SGLangSender([("sg-0", url)], specs_of(named), timeout_s=60)
+        try:
+            sender.push(named, 7)
+        finally:
+            sender.destroy()
+        assert engine.refresh_version() == 7
+        assert SGLangClient(url).get("/relax_test/digest") == _digest(named)
+    finally:
+        proc.kill()
+        proc.wait()

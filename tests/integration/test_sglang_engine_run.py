@@ -74,7 +74,7 @@ def test_the_command_line_says_what_sglang_needs():
     cfg = SGLangConfig(mem_fraction_static=0.7, extra_args="--dp-size 2 --log-level warning")
     cmd = server_command("/venv/bin/python", "/m", 31000, 4, 12, cfg, memory_saver=True)
     assert cmd[:3] == ["/venv/bin/python", "-m", "sglang.launch_server"]
-    flags = dict(zip(cmd[3::2], cmd[4::2], strict=False))
+    flags = {a: b for a, b in zip(cmd, cmd[1:], strict=False) if a.startswith("--")}
     assert flags["--model-path"] == "/m" and flags["--port"] == "31000"
     assert flags["--tp-size"] == "4" and flags["--weight-version"] == "12"
     assert flags["--mem-fraction-static"] == "0.7"

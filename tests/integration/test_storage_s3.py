@@ -87,7 +87,8 @@ def test_checkpoints_on_s3_are_whole_or_nothing_and_pruning_keeps_the_newest(
     local = local_checkpoint(newest, options, scratch)
     with open(os.path.join(local, "model.safetensors"), "rb") as f:
         assert f.read() == b"v6"
-    assert json.load(open(os.path.join(local, STATE_FILE)))["policy_version"] == 6
+    with open(os.path.join(local, STATE_FILE)) as f:
+        assert json.load(f)["policy_version"] == 6
     # A role that never loads optimizer state does not download it.
     without = local_checkpoint(newest, options, scratch, exclude=("optim",))
     assert os.path.isfile(os.path.join(without, "model.safetensors"))

@@ -101,6 +101,14 @@ def test_the_moe_config_replays_routes_on_megatron():
             "train.parallel.expert: 3 must divide the GPUs of one pipeline stage",
         ),
         ({"train": {"parallel": {"expert": 0}}}, "train.parallel.expert: must be >= 1, got 0"),
+        (
+            {"services": {"accelerator": "h100"}},
+            "services.accelerator: 'h100' is not one of '' (a CPU-only run), nvidia-a10g",
+        ),
+        (
+            {"rollout": {"engine": "sglang"}, "sglang": {"api_key_secret": "Relax_Key"}},
+            "sglang.api_key_secret: 'Relax_Key' is not a Kubernetes secret name",
+        ),
     ],
 )
 def test_gpu_stack_settings_are_checked(sections, expected):

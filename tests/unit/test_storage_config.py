@@ -52,6 +52,6 @@ def test_a_cluster_run_with_state_or_tracking_on_a_pods_disk_fails_before_any_wo
         tracking={"tracking_uri": "http://mlflow:5000"},
     )
     assert cluster_problems(ok) == []
-    monkeypatch.setenv("FLYTE_INTERNAL_EXECUTION_ID", "f1234")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
     with pytest.raises(ConfigError, match="a pod's own disk on a cluster"):
         preflight(RunConfig())

@@ -1,6 +1,7 @@
-"""The cluster graph, serialized offline as `pyflyte register` would: resources, accelerators,
-retries, timeouts, caching and the nightly launch plan's schedule and inputs. No cluster runs
-here, so these are what a regression would silently drop."""
+"""The cluster graph, serialized offline as `pyflyte register` would: retries, timeouts, caching,
+the branches of `train` and the nightly launch plan's schedule and inputs (what each task asks of
+a cluster: test_cluster_resources.py). No cluster runs here, so these are what a regression would
+silently drop."""
 
 from __future__ import annotations
 
@@ -10,23 +11,17 @@ from datetime import timedelta
 import msgpack
 import pytest
 from flytekit.configuration import Image, ImageConfig, SerializationSettings
-from flytekit.models.task import Resources as TaskResources
 from flytekit.tools.translator import get_serializable
 
 from tasks.evaluate import evaluate_checkpoint
 from tasks.rl import (
-    actor_fwd_service,
     advantages_service,
-    async_local,
     finish_run,
-    policy_spec,
-    prepare_data,
     prepare_policy,
     reference_service,
     rl_steps,
     rollout_service,
     sglang_rollout_service,
-    start_run,
     trainer_service,
 )
 from workflows.evaluate import evaluate
@@ -61,54 +56,6 @@ def _template(settings, task):
     return get_serializable(OrderedDict(), settings, task).template
 
 
-def _requests(template) -> dict[str, str]:
-    names = {v: k for k, v in vars(TaskResources.ResourceName).items() if isinstance(v, int)}
-    return {names[r.name]: r.value for r in template.container.resources.requests}
-
-
-def test_model_holding_tasks_get_a_gpu_and_light_tasks_do_not(settings):
-    model_tasks = (prepare_policy, start_run, rl_steps, finish_run, async_local, trainer_service)
-    model_tasks += (rollout_service, reference_service, actor_fwd_service)
-    for task in model_tasks:
-        t = _template(settings, task)
-        assert _requests(t).get("GPU") == "1", (task.name, _requests(t))
-        assert t.extended_resources.gpu_accelerator.device == "nvidia-h100", task.name
-        assert t.container.image == TRAINER_IMAGE, task.name  # CUDA torch + megatron-core
-    for task in (prepare_data, policy_spec, advantages_service):
-        t = _template(settings, task)
-        assert "GPU" not in _requests(t), task.name
-        assert t.container.image == IMAGE, task.name
-
-
-def test_sglang_rollout_pod_has_the_server_as_a_gpu_sidecar_sharing_the_policy_volume(settings):
-    t = _template(settings, sglang_rollout_service)
-    assert t.container is None  # the pod spec carries both containers
-    assert t.metadata.interruptible is True and t.metadata.retries.retries == 3
-    pod = t.k8s_pod.pod_spec
-    containers = {c["name"]: c for c in pod["containers"]}
-    assert sorted(containers) == ["primary", "sglang"]
-    primary, sidecar = containers["primary"], containers["sglang"]
-    # The primary runs the rollout service (pyflyte-execute) in the default image, without a GPU.
-    assert primary["image"] == IMAGE and "sglang_rollout_service" in primary["args"]
-    assert "nvidia.com/gpu" not in primary["resources"]["requests"]
-    env = {e["name"]: e["value"] for e in primary["env"]}
-    assert env["RELAX_SGLANG_URL"] == "http://127.0.0.1:30000"
-    # The sidecar is the SGLang server in the rollout image, on the pod's GPU.
-    assert sidecar["image"] == ROLLOUT_IMAGE
-    assert sidecar["command"] == ["/opt/relax/serve.sh"]
-    assert sidecar["resources"]["requests"]["nvidia.com/gpu"] == "1"
-    assert sidecar["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/health", "port": 30000}
-    # Both see the policy directory the primary writes; SGLang gets a memory-backed /dev/shm.
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory"}
-    for c in (primary, sidecar):
-        assert {"name": "models", "mountPath": "/models"} in c["volumeMounts"]
-    assert {"name": "dshm", "mountPath": "/dev/shm"} in sidecar["volumeMounts"]
-    model_env = {e["name"]: e["value"] for e in sidecar["env"]}["RELAX_MODEL_DIR"]
-    assert model_env == env["RELAX_MODEL_DIR"] == "/models/policy"
-
-
 def test_training_node_is_retried_interruptible_and_bounded(settings):
     t = _template(settings, rl_steps)
     assert t.metadata.retries.retries == 3
@@ -125,11 +72,13 @@ def test_finish_run_renders_the_run_report_deck(settings):
 
 
 def test_async_role_tasks_are_retried_and_only_rollout_is_interruptible(settings):
-    for task in (trainer_service, rollout_service, reference_service, advantages_service):
+    roles = (trainer_service, rollout_service, sglang_rollout_service, reference_service)
+    for task in (*roles, advantages_service):
         t = _template(settings, task)
         assert t.metadata.retries.retries == 3, task.name
         assert t.metadata.timeout == timedelta(hours=12), task.name
-    assert _template(settings, rollout_service).metadata.interruptible is True
+    for task in (rollout_service, sglang_rollout_service):
+        assert _template(settings, task).metadata.interruptible is True, task.name
     # The trainer holds the optimizer state between checkpoints: not on spot capacity.
     assert not _template(settings, trainer_service).metadata.interruptible
 

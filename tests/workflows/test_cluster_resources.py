@@ -1,0 +1,338 @@
+"""What a cluster is asked for, from the run config (tasks/resources.py), checked offline.
+
+Registration: `RELAX_CONFIG=<config> pyflyte --pkgs workflows package ...` is run as a user would
+run it, and the packaged task templates are read back: a CPU config asks no GPU anywhere; a GPU
+config asks each role's GPUs, the accelerator, the trainer image, /dev/shm where NCCL or SGLang
+need it, and starts the SGLang sidecar on the pod's address with its tensor parallel, R3 flag
+and API key. Runs: the @dynamic nodes give the tasks they start the run's own config's asks,
+whatever config the workflows were registered with.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+from flyteidl.admin import task_pb2
+from flytekit import dynamic
+from flytekit.configuration import Image, ImageConfig, SerializationSettings
+from flytekit.core.context_manager import ExecutionState, FlyteContextManager
+from flytekit.core.type_engine import TypeEngine
+from flytekit.extras import accelerators
+from flytekit.models.task import Resources as TaskResources
+from flytekit.models.task import TaskSpec
+
+from relax_core.config import RunConfig, config_to_dict, load_config, replace
+from relax_core.config.checks_gpu import ACCELERATORS
+from tasks import resources
+from tasks.rl import rl_steps
+from workflows.train import async_roles, rl_loop
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SERVE = os.path.join(REPO, "containers", "rollout", "serve.sh")
+IMAGES = {
+    "default": "ghcr.io/relax/relax:v1",
+    "trainer": "ghcr.io/relax/relax-trainer:v1",
+    "rollout": "ghcr.io/relax/relax-rollout:v1",
+}
+PACKAGED = ("cpu-default", "qwen3-4b-8xgpu", "qwen3-30b-a3b-moe-r3")
+GPU_NAMES = {"gpu", "nvidia.com/gpu"}
+
+
+def _cfg(name: str) -> RunConfig:
+    return load_config(os.path.join(REPO, "configs", f"{name}.yaml"))
+
+
+@pytest.fixture(scope="module")
+def packaged(tmp_path_factory) -> dict[str, dict]:
+    """config name -> {task name: packaged TaskTemplate}, all three packaged side by side."""
+    images = [f"--image={IMAGES['default']}"]
+    images += [f"--image={name}={IMAGES[name]}" for name in ("trainer", "rollout")]
+    procs = {}
+    for name in PACKAGED:
+        out = tmp_path_factory.mktemp(name) / "flyte-package.tgz"
+        env = {**os.environ, "RELAX_CONFIG": os.path.join("configs", f"{name}.yaml")}
+        cmd = [sys.executable, "-m", "flytekit.clis.sdk_in_container.pyflyte"]
+        cmd += ["--pkgs", "workflows", "package", *images, "-f", "-o", str(out)]
+        procs[name] = (out, subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE))
+    tasks = {}
+    for name, (out, proc) in procs.items():
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err.decode()[-3000:]
+        with tarfile.open(out) as tar:
+            tar.extractall(out.parent, filter="data")
+        tasks[name] = {}
+        for path in glob.glob(str(out.parent / "*_tasks.*.pb")):
+            spec = task_pb2.TaskSpec()
+            with open(path, "rb") as f:
+                spec.ParseFromString(f.read())
+            template = TaskSpec.from_flyte_idl(spec).template
+            tasks[name][template.id.name.rsplit(".", 1)[1]] = template
+    return tasks
+
+
+def _containers(t) -> dict[str, dict]:
+    """name -> container as a pod spec shows it (a plain task: its one container)."""
+    if t.k8s_pod is not None:
+        return {c["name"]: c for c in t.k8s_pod.pod_spec["containers"]}
+    names = {v: k for k, v in vars(TaskResources.ResourceName).items() if isinstance(v, int)}
+    res = t.container.resources
+    requests = {names[r.name].lower(): r.value for r in res.requests}
+    limits = {names[r.name].lower(): r.value for r in res.limits}
+    resources = {"requests": requests, "limits": limits}
+    return {"primary": {"image": t.container.image, "resources": resources}}
+
+
+def _gpus(t) -> dict[str, int]:
+    """GPUs each container requests (and limits to the same count)."""
+    out = {}
+    for name, c in _containers(t).items():
+        res = c.get("resources") or {}
+        req = {k: v for k, v in (res.get("requests") or {}).items() if k in GPU_NAMES}
+        lim = {k: v for k, v in (res.get("limits") or {}).items() if k in GPU_NAMES}
+        assert list(req.values()) == list(lim.values()), (name, res)
+        out[name] = int(next(iter(req.values()), 0))
+    return out
+
+
+def _accelerator(t) -> str:
+    ext = t.extended_resources
+    return ext.gpu_accelerator.device if ext is not None and ext.HasField("gpu_accelerator") else ""
+
+
+def _shm(pod_spec: dict | None, container: str = "primary") -> bool:
+    """Whether `container` has a memory-backed /dev/shm."""
+    if not pod_spec:
+        return False
+    volumes = pod_spec.get("volumes") or []
+    memory = {v["name"] for v in volumes if v.get("emptyDir", {}).get("medium") == "Memory"}
+    c = next(c for c in pod_spec["containers"] if c["name"] == container)
+    mounts = c.get("volumeMounts") or []
+    return any(m["mountPath"] == "/dev/shm" and m["name"] in memory for m in mounts)
+
+
+def _env(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env") or []}
+
+
+def test_a_cpu_config_asks_no_gpu_anywhere(packaged):
+    tasks = packaged["cpu-default"]
+    assert set(resources.TASKS) <= set(tasks)  # every task of tasks/rl.py and evaluate
+    for name, t in tasks.items():
+        assert not any(_gpus(t).values()), (name, _gpus(t))
+        assert _accelerator(t) == "", name
+        assert _containers(t)["primary"]["image"] == IMAGES["default"], name
+        if t.k8s_pod is not None:
+            assert not t.k8s_pod.pod_spec.get("tolerations"), name
+    # The registration default (no RELAX_CONFIG: RunConfig()) is CPU only too.
+    assert not any(resources.gpus(RunConfig(), task) for task in resources.TASKS)
+
+
+def test_an_8_gpu_node_run_asks_for_the_node(packaged):
+    cfg, tasks = _cfg("qwen3-4b-8xgpu"), packaged["qwen3-4b-8xgpu"]
+    # services.launch: processes: one pod holds every role, 1 trainer + 7 SGLang engines.
+    local = tasks["async_local"]
+    assert _gpus(local) == {"primary": 8} and _accelerator(local) == "nvidia-h100"
+    assert _containers(local)["primary"]["image"] == IMAGES["trainer"]
+    assert _shm(local.k8s_pod.pod_spec)
+    trainer = tasks["trainer_service"]
+    assert _gpus(trainer) == {"primary": cfg.services.trainer_gpus} == {"primary": 1}
+    assert not _shm(trainer.k8s_pod.pod_spec)  # one GPU, no SGLang in the pod
+    # The rollout pod: the engine's GPU belongs to the sidecar; tensor parallel over it; no R3.
+    pod = tasks["sglang_rollout_service"]
+    assert _gpus(pod) == {"primary": 0, "sglang": cfg.services.rollout_gpus}
+    args = _containers(pod)["sglang"]["args"]
+    assert args[args.index("--tp-size") + 1] == "1"
+    assert "--enable-return-routed-experts" not in args
+    for name in ("prepare_data", "policy_spec", "advantages_service"):
+        assert _gpus(tasks[name]) == {"primary": 0} and _accelerator(tasks[name]) == "", name
+        assert _containers(tasks[name])["primary"]["image"] == IMAGES["default"], name
+    for name in ("prepare_policy", "reference_service", "actor_fwd_service"):
+        assert _gpus(tasks[name]) == {"primary": 1}, name
+        assert _containers(tasks[name])["primary"]["image"] == IMAGES["trainer"], name
+
+
+def test_the_r3_run_asks_its_trainer_gpus_and_tensor_parallel_sglang_pods(packaged):
+    cfg, tasks = _cfg("qwen3-30b-a3b-moe-r3"), packaged["qwen3-30b-a3b-moe-r3"]
+    trainer = tasks["trainer_service"]
+    assert _gpus(trainer) == {"primary": 8} and _accelerator(trainer) == "nvidia-h100"
+    spec = trainer.k8s_pod.pod_spec
+    assert _shm(spec)  # NCCL between the pod's 8 GPUs
+    key = _env(spec["containers"][0])["RELAX_SGLANG_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert key == {"name": "relax-sglang", "key": "api-key"}  # to drive the servers' updates
+    pod = tasks["sglang_rollout_service"]
+    assert _gpus(pod) == {"primary": 0, "sglang": 4} and _accelerator(pod) == "nvidia-h100"
+    spec = pod.k8s_pod.pod_spec
+    primary, sidecar = (_containers(pod)[n] for n in ("primary", "sglang"))
+    assert primary["image"] == IMAGES["default"] and sidecar["image"] == IMAGES["rollout"]
+    assert _shm(spec, "sglang")
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec[
+        "tolerations"
+    ]
+    # The rollout service publishes the pod's address, not loopback: RELAX_POD_IP (the downward
+    # API) is defined before the URL that Kubernetes expands it in.
+    env = _env(primary)
+    names = [e["name"] for e in primary["env"]]
+    assert env["RELAX_POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["RELAX_SGLANG_URL"]["value"] == "http://$(RELAX_POD_IP):30000"
+    assert names.index("RELAX_POD_IP") < names.index("RELAX_SGLANG_URL")
+    assert env["RELAX_SGLANG_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "relax-sglang"
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/health", "port": 30000}
+    # The primary runs the rollout service; both see the policy directory it writes.
+    assert "sglang_rollout_service" in primary["args"]
+    assert sidecar["command"] == ["/opt/relax/serve.sh"]
+    for c in (primary, sidecar):
+        assert {"name": "models", "mountPath": "/models"} in c["volumeMounts"]
+    assert _env(sidecar)["RELAX_MODEL_DIR"] == env["RELAX_MODEL_DIR"]
+    # What the sidecar starts: serve.sh run with the pod's arguments and environment.
+    argv = _serve(sidecar, key="per-run-key")
+    flags = {a: b for a, b in zip(argv, argv[1:], strict=False) if a.startswith("--")}
+    assert flags["--host"] == "0.0.0.0" and flags["--port"] == "30000"
+    assert flags["--tp-size"] == str(cfg.services.rollout_gpus) == "4"
+    assert flags["--api-key"] == "per-run-key"
+    assert flags["--mem-fraction-static"] == str(cfg.sglang.mem_fraction_static)
+    assert "--enable-return-routed-experts" in argv  # train.routing_replay: R3
+
+
+def _serve(sidecar: dict, key: str) -> list[str]:
+    """The `sglang.launch_server` arguments serve.sh gives with the sidecar's args and env."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model, record = os.path.join(tmp, "policy"), os.path.join(tmp, "argv")
+        os.makedirs(model)
+        open(os.path.join(model, "READY"), "w").close()
+        fake = os.path.join(tmp, "python3")
+        with open(fake, "w") as f:
+            f.write(f'#!/bin/sh\nfor a in "$@"; do echo "$a"; done > {record}\n')
+        os.chmod(fake, 0o755)
+        env = {e["name"]: e["value"] for e in sidecar["env"] if "value" in e}
+        env.update(PATH=f"{tmp}:{os.environ['PATH']}", RELAX_MODEL_DIR=model)
+        env["RELAX_SGLANG_API_KEY"] = key  # the secret's value, as the kubelet sets it
+        subprocess.run(["sh", SERVE, *sidecar["args"]], env=env, check=True, timeout=30)
+        with open(record) as f:
+            return f.read().splitlines()
+
+
+SETTINGS = SerializationSettings(
+    image_config=ImageConfig(
+        default_image=Image(name="default", fqn=IMAGES["default"].split(":")[0], tag="v1"),
+        images=[
+            Image(name=name, fqn=full.split(":")[0], tag=full.split(":")[1])
+            for name, full in IMAGES.items()
+        ],
+    ),
+    project="relax",
+    domain="dev",
+    version="v1",
+)
+
+
+def _dynamic_nodes(node, cfg: RunConfig, checkpoint: str) -> dict[str, list]:
+    """The nodes a @dynamic builds on a cluster (as pyflyte-execute compiles it), by task. A
+    @dynamic compiles once per process (one pod runs one), so each call takes a fresh one."""
+    fresh = dynamic(node.task_function)
+    cfg_json = json.dumps(config_to_dict(cfg), sort_keys=True)
+    ctx = FlyteContextManager.current_context().with_serialization_settings(SETTINGS)
+    with FlyteContextManager.with_context(ctx) as ctx:
+        state = ctx.execution_state.with_params(mode=ExecutionState.Mode.TASK_EXECUTION)
+        with FlyteContextManager.with_context(ctx.with_execution_state(state)) as ctx:
+            inputs = {"cfg_json": cfg_json, "checkpoint": checkpoint}
+            spec = fresh.dispatch_execute(ctx, TypeEngine.dict_to_literal_map(ctx, inputs))
+    nodes: dict[str, list] = {}
+    for node in spec.nodes:
+        nodes.setdefault(node.metadata.name, []).append(node)
+    return nodes
+
+
+def _override_gpus(node) -> int:
+    res = node.task_node.overrides.resources
+    gpu = TaskResources.ResourceName.GPU
+    requests = [r.value for r in res.requests if r.name == gpu]
+    assert requests == [r.value for r in res.limits if r.name == gpu]
+    return int(requests[0]) if requests else 0
+
+
+def test_async_roles_gives_each_role_the_run_s_own_resources():
+    # Whatever config the workflows were registered with, the run's config decides.
+    nodes = _dynamic_nodes(async_roles, _cfg("qwen3-30b-a3b-moe-r3"), "/unused")
+    (trainer,) = nodes["trainer_service"]
+    o = trainer.task_node.overrides
+    assert _override_gpus(trainer) == 8 and o.extended_resources.gpu_accelerator.device == (
+        "nvidia-h100"
+    )
+    assert o.container_image == IMAGES["trainer"]
+    assert _shm(o.pod_template.pod_spec)
+    assert "RELAX_SGLANG_API_KEY" in _env(o.pod_template.pod_spec["containers"][0])
+    assert len(nodes["sglang_rollout_service"]) == 2  # services.rollout_workers
+    for rollout in nodes["sglang_rollout_service"]:
+        spec = rollout.task_node.overrides.pod_template.pod_spec
+        sidecar = next(c for c in spec["containers"] if c["name"] == "sglang")
+        assert sidecar["resources"]["limits"]["nvidia.com/gpu"] == "4"
+        assert sidecar["image"] == IMAGES["rollout"]
+        assert sidecar["args"][:2] == ["--tp-size", "4"]
+        assert "--enable-return-routed-experts" in sidecar["args"]
+    (advantages,) = nodes["advantages_service"]
+    assert _override_gpus(advantages) == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus", "image"),
+    [("qwen3-4b-8xgpu-colocate", 8, IMAGES["trainer"]), ("cpu-default", 0, None)],
+)
+def test_rl_loop_gives_its_steps_the_run_s_own_resources(tmp_path, name, gpus, image):
+    (tmp_path / "state.json").write_text(json.dumps({"policy_version": 0, "run_id": "r"}))
+    (steps,) = _dynamic_nodes(rl_loop, _cfg(name), str(tmp_path))["rl_steps"]
+    o = steps.task_node.overrides
+    # Colocate on SGLang: one server over 8 GPUs (--dp-size 8) takes turns with the trainer.
+    assert _override_gpus(steps) == gpus
+    assert o.container_image == image
+    assert (o.extended_resources is not None) == bool(gpus)
+    assert (o.pod_template is not None) == bool(gpus)
+
+
+def test_overrides_are_empty_when_a_dynamic_runs_locally():
+    assert resources.node_overrides(_cfg("qwen3-4b-8xgpu"), rl_steps) == {}
+
+
+def test_the_accelerators_a_config_may_name_are_flytekit_s_nvidia_gpus():
+    named = {
+        v.to_flyte_idl().device
+        for v in vars(accelerators).values()
+        if isinstance(v, accelerators.BaseAccelerator)
+    }
+    assert set(ACCELERATORS) == {d for d in named if d.startswith("nvidia-")}
+
+
+def test_shipped_configs_name_an_accelerator_exactly_when_they_need_gpus():
+    for path in sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml"))):
+        cfg = load_config(path)
+        gpu_only = (
+            cfg.rollout.engine == "sglang"
+            or cfg.train.backend in ("fsdp", "megatron")
+            or cfg.services.sync_backend == "nccl"
+        )
+        assert bool(cfg.services.accelerator) == gpu_only, path
+
+
+def test_the_sglang_server_gpus_count_its_data_parallel_replicas():
+    cfg = _cfg("qwen3-4b-8xgpu")
+    assert resources.sglang_gpus(cfg) == 1
+    wide = replace(cfg, services={"rollout_gpus": 2}, sglang={"extra_args": "--dp-size=4"})
+    assert resources.sglang_gpus(wide) == 8
+    assert resources.data_parallel("--log-level warning --data-parallel-size 3") == 3
+    with pytest.raises(ValueError, match="sglang.extra_args: --dp-size needs a count"):
+        resources.data_parallel("--dp-size many")
+
+
+def test_a_registration_config_that_does_not_exist_is_named(monkeypatch):
+    monkeypatch.setenv(resources.CONFIG_ENV, "configs/nope.yaml")
+    with pytest.raises(FileNotFoundError, match="RELAX_CONFIG=configs/nope.yaml: no such file"):
+        resources.registration_config.__wrapped__()
+    monkeypatch.delenv(resources.CONFIG_ENV)
+    assert resources.registration_config.__wrapped__() == RunConfig()
