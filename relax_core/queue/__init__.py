@@ -1,6 +1,7 @@
 """TransferQueue: the Arrow row schema and the commit-log data bus between roles, on any fsspec
 storage: commits, claims (leases), staleness admission, quarantine, `relax queue`'s inspection
-(inspect.py) and the exactly-once audit of a finished run (audit.py).
+(inspect.py), the exactly-once audit of a finished run (audit.py) and retention: which consumed
+entries may be deleted (retention.py, pure) and their deletion (pruning.py).
 
 May import: config.
 """

@@ -3,8 +3,12 @@ still in the queue, and was none lost or trained twice, across crashes and resta
 
 Sources: the rollout stage (every group a rollout process committed), the trainer's
 `control/trained/{version}` records (what each step of the surviving weights trained; a step a
-restarted trainer trained again replaced its record) and the final checkpoint's ready cursor
-(what is still waiting in the queue when the run ended).
+restarted trainer trained again replaced its record), the final checkpoint's ready cursor
+(what is still waiting in the queue when the run ended) and the summaries of what retention
+deleted (`pruned/rollout/`). Retention deletes only entries every kept checkpoint had trained,
+so the pruned groups are accounted for by count: the trained groups the kept rollout stage does
+not hold must be exactly as many as the pruned ones; more is a group trained that never was
+generated, fewer a pruned group that was never trained (lost).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from collections import Counter
 from typing import Any
 
 from relax_core.queue import StageCursor, TransferQueue
+from relax_core.queue.pruning import pruned_ranges, summaries
+from relax_core.queue.retention import covered, totals
 
 TRAINED = "control/trained"
 
@@ -35,14 +41,19 @@ def trained_groups(queue: TransferQueue, final_version: int) -> Counter[str]:
 
 
 def audit_run(queue: TransferQueue, final_state: dict[str, Any]) -> dict[str, int]:
-    """Counts of groups generated, trained, still queued, lost and duplicated."""
+    """Counts of groups generated, trained, still queued, lost and duplicated, and of the
+    entries and groups retention deleted (counted as generated, trained once)."""
     final_version = int(final_state["policy_version"])
     cursor_data = final_state.get("ready_cursor") or {"through": -1}
     cursor = StageCursor.from_dict(cursor_data)
     partial = {int(k): set(v) for k, v in (cursor_data.get("partial") or {}).items()}
+    pruned = totals(summaries(queue.store, "rollout"))
+    ranges = pruned_ranges(queue.store, "rollout")
     generated: Counter[str] = Counter()
     by_seq: dict[int, set[str]] = {}
     for seq in queue.committed("rollout"):
+        if covered(ranges, seq):  # left by a pruning pass cut short: counted as pruned
+            continue
         groups = set(queue.read("rollout", seq).column("group_id").to_pylist())
         by_seq[seq] = groups
         generated.update(groups)
@@ -55,12 +66,15 @@ def audit_run(queue: TransferQueue, final_state: dict[str, Any]) -> dict[str, in
         elif not cursor.consumed(seq):
             queued |= groups - partial.get(seq, set())
     lost = [g for g in generated if g not in trained and g not in queued]
+    trained_elsewhere = len(set(trained) - set(generated))  # generated in pruned entries?
     return {
-        "generated_groups": len(generated),
+        "generated_groups": len(generated) + pruned["groups"],
         "trained_groups": len(trained),
         "queued_groups": len(queued - set(trained)),
-        "lost_groups": len(lost),
+        "lost_groups": len(lost) + max(0, pruned["groups"] - trained_elsewhere),
         "duplicated_groups": sum(n - 1 for n in trained.values() if n > 1)
         + sum(n - 1 for n in generated.values() if n > 1),
-        "trained_but_never_generated": len(set(trained) - set(generated)),
+        "trained_but_never_generated": max(0, trained_elsewhere - pruned["groups"]),
+        "pruned_entries": pruned["entries"],
+        "pruned_groups": pruned["groups"],
     }

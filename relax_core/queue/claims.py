@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from relax_core.queue.pruning import is_pruned
 from relax_core.queue.queue import Entry, TransferQueue, log_path, parse_seq, seq_name
 
 _ATTEMPT_WIDTH = 4
@@ -165,7 +166,15 @@ class StageWorker:
             lease = self.claim_next()
             if lease is None:
                 return
-            found = self.queue.entry(self.in_stage, lease.seq)
+            try:
+                found = self.queue.entry(self.in_stage, lease.seq)
+            except FileNotFoundError:
+                if not is_pruned(self.queue.store, self.in_stage, lease.seq):
+                    raise
+                # Listed before retention deleted it (its output existed): nothing to do.
+                self.queue.store.delete(lease.path)
+                self._done.add(lease.seq)
+                continue
             if found.table is None:
                 self.queue.commit_tombstone(
                     self.out_stage, lease.seq, f"{self.in_stage} {found.skipped}"

@@ -1,7 +1,8 @@
 """What a person watching a run wants to know about its queue, gathered from the storage alone.
 
-`summarize` reads commit records (never payloads), claims, tickets, heartbeats and quarantine
-notes of one run prefix and returns plain data; `render` turns it into the text the CLI prints.
+`summarize` reads commit records (never payloads), claims, tickets, heartbeats, quarantine notes
+and the summaries of what retention deleted, of one run prefix, and returns plain data; `render`
+turns it into the text the CLI prints.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ from typing import Any
 
 from relax_core.queue.admission import AdmissionLedger
 from relax_core.queue.claims import latest_claims
-from relax_core.queue.queue import STAGES, TransferQueue, log_path, parse_seq
-from relax_core.queue.record import CorruptEntry, decode_header
+from relax_core.queue.pruning import read_headers, summaries
+from relax_core.queue.queue import STAGES, TransferQueue, parse_seq
+from relax_core.queue.retention import totals
 from relax_core.queue.store import ObjectStore
-
-_HEAD_BYTES = 16384
 
 # Which stage consumes which (a stage a run does not use simply has no entries).
 _CONSUMERS = {"rollout": ("ref", "fwd", "ready"), "ref": ("fwd", "ready"), "fwd": ("ready",)}
@@ -28,25 +28,11 @@ def list_runs(root: str, storage_options: dict[str, Any] | None = None) -> list[
     return [name for name in store.list_dir("") if store.list_dir(f"{name}/log")]
 
 
-def _records(queue: TransferQueue, stage: str, seqs: list[int]) -> dict[int, dict[str, Any]]:
-    """Commit record headers, read from the first bytes of each record (not inline payloads)."""
-    paths = [log_path(stage, s) for s in seqs]
-    heads = queue.store.read_many(paths, max_bytes=_HEAD_BYTES)
-    out = {}
-    for seq, path in zip(seqs, paths, strict=True):
-        raw = heads.get(path, b"")
-        if b"\n" not in raw and len(raw) == _HEAD_BYTES:  # an unusually long header
-            raw = queue.store.read_bytes(path)
-        try:
-            out[seq] = decode_header(raw, path)[0]
-        except CorruptEntry:
-            out[seq] = {"corrupt": True}
-    return out
-
-
 def _stage_summary(queue: TransferQueue, stage: str) -> dict[str, Any]:
     seqs = queue.committed(stage)
-    records = _records(queue, stage, seqs)
+    headers = read_headers(queue.store, stage, seqs)  # an entry deleted since the listing: none
+    seqs = [s for s in seqs if s in headers]
+    records = {s: h if h is not None else {"corrupt": True} for s, h in headers.items()}
     versions: Counter[int] = Counter()
     lag: Counter[int] = Counter()
     groups = rows = tombstones = 0
@@ -71,6 +57,7 @@ def _stage_summary(queue: TransferQueue, stage: str) -> dict[str, Any]:
         "groups_by_version": dict(sorted(versions.items())),
         "lag_at_commit": dict(sorted(lag.items())),
         "quarantined": queue.quarantined(stage),
+        "pruned": totals(summaries(queue.store, stage)),
     }
 
 
@@ -159,6 +146,15 @@ def render(summary: dict[str, Any]) -> str:
         lines.append(
             f"{stage:<8} {s['entries']:>8} {s['groups']:>8} {s['rows']:>9} {pending:>8} "
             f"{s['consumed_by'] or '-':<10} {s['tombstones']:>7} {len(s['quarantined']):>8}"
+        )
+    pruned = [(st, s["pruned"]) for st, s in summary["stages"].items() if s["pruned"]["entries"]]
+    if pruned:
+        lines.append(
+            "deleted by retention (queue.retention): "
+            + ", ".join(
+                f"{st} {p['entries']} entries, {p['groups']} groups (seqs <= {p['through']})"
+                for st, p in pruned
+            )
         )
     if summary["claims"]:
         lines.append("")

@@ -140,8 +140,8 @@ class TransferQueue:
 
     # ---- writing ----------------------------------------------------------------------------
 
-    def _prepare(self, stage: str, table: pa.Table, meta: dict[str, Any] | None) -> bytes:
-        """Validate, place the payload (inline or its own object), return the record bytes."""
+    def _prepare(self, stage: str, table: pa.Table, meta: dict | None) -> tuple[bytes, str]:
+        """Validate, place the payload (inline or its own object): (record bytes, payload)."""
         _check_stage(stage)
         table = validate_table(table)
         try:
@@ -167,11 +167,11 @@ class TransferQueue:
             "nonce": uuid.uuid4().hex,  # makes every record's bytes unique (see create_if_absent)
             "meta": meta_json,
         }
-        return encode_record(record, data if inline else None)
+        return encode_record(record, data if inline else None), payload
 
     def put(self, stage: str, table: pa.Table, meta: dict[str, Any] | None = None) -> int:
         """Append `table` (ROW_SCHEMA rows, whole groups) to `stage`; returns its seq."""
-        data = self._prepare(stage, table, meta)
+        data, _ = self._prepare(stage, table, meta)
         seq = self._next_seq.get(stage)
         if seq is None:
             seq = self._tail(stage)
@@ -187,10 +187,14 @@ class TransferQueue:
         """Commit `table` at exactly `seq` of `stage`; False if another writer got there first.
 
         The output of a 1:1 transform keeps its input's seq, so a retried or taken-over input
-        yields one output however many workers processed it. A loser's separate payload object
-        (large entries) stays unreferenced, invisible to readers.
+        yields one output however many workers processed it. A loser deletes its separate
+        payload object (large entries), which no record names.
         """
-        return self.store.create_if_absent(log_path(stage, seq), self._prepare(stage, table, meta))
+        data, payload = self._prepare(stage, table, meta)
+        won = self.store.create_if_absent(log_path(stage, seq), data)
+        if not won and payload != INLINE:
+            self.store.delete(payload)
+        return won
 
     def commit_tombstone(self, stage: str, seq: int, reason: str) -> bool:
         """Fill `seq` of `stage` with a record that carries no rows, only `reason`.
@@ -199,15 +203,8 @@ class TransferQueue:
         readers see why that seq is empty instead of waiting for it.
         """
         _check_stage(stage)
-        record = {
-            "payload": None,
-            "rows": 0,
-            "groups": 0,
-            "versions": {},
-            "created": time.time(),
-            "writer": self.writer_id,
-            "tombstone": reason,
-        }
+        record = {"payload": None, "rows": 0, "groups": 0, "versions": {}, "tombstone": reason}
+        record.update(created=time.time(), writer=self.writer_id)
         return self.store.create_if_absent(log_path(stage, seq), encode_record(record))
 
     # ---- reading ----------------------------------------------------------------------------
@@ -238,6 +235,8 @@ class TransferQueue:
             try:
                 data = self.store.read_bytes(payload)
             except FileNotFoundError as err:
+                if not self.store.exists(log_path(stage, seq)):  # deleted by retention meanwhile
+                    raise FileNotFoundError(f"{stage} entry {seq} was pruned") from err
                 raise CorruptEntry(
                     f"queue payload {url} named by {stage} entry {seq} is missing"
                 ) from err

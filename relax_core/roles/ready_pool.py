@@ -14,6 +14,8 @@ import pyarrow.compute as pc
 
 from relax_core.queue import StageCursor, select_step_groups
 from relax_core.queue.admission import VOID
+from relax_core.queue.pruning import summaries
+from relax_core.queue.retention import covered
 from relax_core.roles.service import RoleContext
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,7 @@ class ReadyPool:
         self._voided: dict[str, dict[str, Any]] = {}
         self._arrived: Counter[int] = Counter()  # behaviour version -> groups seen in ready
         self._seen: set[int] = set()
+        self._pruned: list[tuple[int, int]] | None = None  # ranges retention deleted
         self.quarantined = 0
 
     # ---- reading -----------------------------------------------------------------------
@@ -48,13 +51,16 @@ class ReadyPool:
         new = 0
         # The first listing covers the whole stage: entries trained before a resume still count
         # as arrived, or their versions would look in flight forever.
+        if self._pruned is None:
+            self._count_pruned()
         after = self.cursor.through if self._seen else -1
         for seq in self.queue.committed("ready", after):
             if seq in self._seen:
                 continue
             self._seen.add(seq)
             if self.cursor.consumed(seq):
-                self._count_arrived(seq, None)
+                if not covered(self._pruned or [], seq):  # else its summary counted it
+                    self._count_arrived(seq, None)
                 continue
             new += 1
             entry = self.queue.entry("ready", seq)
@@ -76,6 +82,16 @@ class ReadyPool:
                 self.groups[gid] = (min(version, old[0]) if old else version, seq)
             self.meta.append(entry.record.get("meta") or {})
         return new
+
+    def _count_pruned(self) -> None:
+        """Count the groups of the `ready` entries retention deleted (trained before the newest
+        checkpoint) from their summaries. Read once, before this process prunes anything; the
+        trainer is the only process that prunes an async run."""
+        found = summaries(self.queue.store, "ready")
+        self._pruned = [(int(s["first"]), int(s["last"])) for s in found]
+        for summary in found:
+            for version, count in (summary.get("versions") or {}).items():
+                self._arrived[int(version)] += int(count)
 
     def _count_arrived(self, seq: int, record: dict[str, Any] | None) -> None:
         """Count the groups of ready entry `seq` as no longer in flight. Without a usable

@@ -13,8 +13,10 @@ import os
 import time
 from typing import Any
 
+from relax_core.queue.pruning import summaries
 from relax_core.roles.rollout import informative_groups, rollout_groups
 from relax_core.rollout.engine import SamplingParams
+from relax_core.storage import join, local_cache, local_dir_for
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,6 @@ def serve(ctx) -> None:
     `DynamicSampling` for the metrics and the bound on redraws.
     """
     import contextlib
-    import os
 
     from relax_core.pool.engines import drain_requested, pool_entry, withdraw_server
     from relax_core.queue import AdmissionLedger, rows_to_table
@@ -69,7 +70,7 @@ def serve(ctx) -> None:
         engine.weight_poll = apply_pending
     reward_fn = build_reward(
         cfg.reward,
-        cache_dir=os.path.join(cfg.checkpoint.policy_cache_dir, "hf"),
+        cache_dir=local_cache(cfg, "hf"),
         dtype=cfg.model.dtype,
         seed=cfg.seed,
     )
@@ -248,7 +249,8 @@ def _own_server(ctx, state: dict[str, Any]):
     cfg = ctx.cfg
     ctx.status["state"] = "starting its SGLang server"
     ctx.beat()
-    log_path = os.path.join(cfg.checkpoint.dir, ctx.run_id, "logs", f"sglang-{ctx.name}.log")
+    run_dir = local_dir_for(join(cfg.checkpoint.dir, ctx.run_id), cfg.storage.scratch_dir)
+    log_path = os.path.join(run_dir, "logs", f"sglang-{ctx.name}.log")
     client, server = attach_or_start(
         cfg.sglang,
         ctx.worker,
@@ -278,7 +280,8 @@ class _Throttled:
 
 
 def committed_blocks(queue) -> dict[int, dict]:
-    """The blocks committed to the rollout stage: first ticket -> the entry's meta."""
+    """The blocks committed to the rollout stage: first ticket -> the entry's meta, or for an
+    entry retention deleted, what its summary kept (worker, dropped groups)."""
     blocks = {}
     for seq in queue.committed("rollout"):
         try:
@@ -287,6 +290,10 @@ def committed_blocks(queue) -> dict[int, dict]:
             continue
         if meta.get("tickets"):
             blocks[int(meta["tickets"][0])] = meta
+    # Read after the records: an entry deleted since the listing is in a summary by now.
+    for summary in summaries(queue.store, "rollout"):
+        for first, block in (summary.get("blocks") or {}).items():
+            blocks.setdefault(int(first), block)
     return blocks
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from typing import Any
 
@@ -32,7 +31,9 @@ from relax_core.roles.evaluation import accuracy_by_modality
 from relax_core.roles.ready_pool import ReadyPool
 from relax_core.roles.service import RoleContext, set_threads
 from relax_core.roles.trainer import train_on_table
+from relax_core.storage import join, local_cache, write_json
 from relax_core.train import checkpoint as ckpt
+from relax_core.train.checkpoint import FINAL_CHECKPOINT
 from relax_core.train.run_state import RunState
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ class AsyncTrainer:
         self.pool = ReadyPool(ctx, self.state.ready_cursor)
         self.media = resolver_for(cfg, self.model)
         self.sender = make_sender(cfg, ctx.queue, specs_of(self.model.named_parameters()))
-        self.run_dir = os.path.join(cfg.checkpoint.dir, self.state.run_id)
+        self.run_dir = join(cfg.checkpoint.dir, self.state.run_id)
         self._eval = None
         self._eval_copy = None
         self.reforms = 0
@@ -137,11 +138,15 @@ class AsyncTrainer:
         self.threads_used.append(threads)
 
     def save_checkpoint(self) -> str:
+        from relax_core.train.queue_retention import prune_queue
         from relax_core.train.run_state import save_run_checkpoint
 
         self.state.ready_cursor = self.pool.state()
         self.state.rng = {}
-        return save_run_checkpoint(self.run_dir, self.state, self.cfg, self.backend, self.tokenizer)
+        path = save_run_checkpoint(self.run_dir, self.state, self.cfg, self.backend, self.tokenizer)
+        # Entries every kept checkpoint has trained go now (queue.retention).
+        prune_queue(self.ctx.queue, self.cfg, self.run_dir)
+        return path
 
     def evaluate(self) -> dict[str, float]:
         """Held-out greedy eval with the trainer's own weights (no copy, no sync)."""
@@ -156,7 +161,7 @@ class AsyncTrainer:
             source = prompt_source(cfg, "eval", self.model, tok, self.ctx.queue)
             reward = build_reward(
                 cfg.reward,
-                cache_dir=os.path.join(cfg.checkpoint.policy_cache_dir, "hf"),
+                cache_dir=local_cache(cfg, "hf"),
                 dtype=cfg.model.dtype,
                 seed=cfg.seed,
             )
@@ -310,7 +315,7 @@ class AsyncTrainer:
             self.step,
             self.evaluate,
             self.save_checkpoint,
-            self.ctx.checkpoint,
+            self.ctx.checkpoint_url,
         )
 
     def publish(self, version: int) -> None:
@@ -339,8 +344,8 @@ def serve(ctx: RoleContext) -> None:
     # A failure does not end the run: the supervisor (Flyte's retries on a cluster) restarts
     # the trainer from its newest checkpoint, and the other roles wait for it meanwhile.
     final = trainer.run()
-    with open(os.path.join(trainer.run_dir, "final_checkpoint"), "w") as f:
-        f.write(final)
+    options = ctx.cfg.storage.options()
+    write_json(join(trainer.run_dir, FINAL_CHECKPOINT), {"checkpoint": final}, options)
     try:
         trainer.close()
     finally:

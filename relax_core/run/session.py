@@ -26,6 +26,7 @@ from relax_core.storage import join, local_dir_for
 from relax_core.sync.inprocess import InProcessSync
 from relax_core.train import checkpoint as ckpt
 from relax_core.train.factory import has_training_state, make_backend
+from relax_core.train.queue_retention import prune_queue
 from relax_core.train.run_state import RunState, save_run_checkpoint
 
 
@@ -130,7 +131,10 @@ class RunSession:
             "python": random.getstate()[1][:625],
         }
 
-        return save_run_checkpoint(self.run_dir, self.state, self.cfg, self.backend, self.tokenizer)
+        path = save_run_checkpoint(self.run_dir, self.state, self.cfg, self.backend, self.tokenizer)
+        if self.cfg.mode == "colocate":  # async: the trainer service prunes its run's queue
+            prune_queue(self.queue, self.cfg, self.run_dir)
+        return path
 
     def _restore_rng(self) -> None:
         rng = self.state.rng
