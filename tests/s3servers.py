@@ -5,6 +5,10 @@
 queue takes, `make_bucket()` and `stop()`. Each server runs in its own session, so `stop()` ends
 its whole process group by PID (SIGTERM, then SIGKILL after a timeout).
 
+`start_seaweedfs(..., host=ip, command_prefix=["ip", "netns", "exec", ns])` runs it elsewhere (the
+pod rehearsal's storage host, tests/rehearsal): it binds `host` and is probed from under the same
+prefix, since this process may have no route to it (and `filesystem()` here may not reach it).
+
 Failing loudly is the default: a missing executable raises ServerNotInstalled (fixtures may
 turn that one into a skip), and a server that does not answer within START_TIMEOUT_S raises
 RuntimeError with the tail of its log.
@@ -13,17 +17,19 @@ RuntimeError with the tail of its log.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -69,7 +75,7 @@ class S3Server:
     name: str
     """"moto" or "seaweedfs", for messages."""
     endpoint_url: str
-    """http://127.0.0.1:PORT of the S3 API."""
+    """http://HOST:PORT of the S3 API (HOST is 127.0.0.1 unless start_seaweedfs was given one)."""
     key: str
     """Access key id the server accepts."""
     secret: str
@@ -150,11 +156,17 @@ def start_moto(log_dir: str | None = None) -> S3Server:
     return server
 
 
-def start_seaweedfs(tmpdir: str, bucket: str = DEFAULT_BUCKET) -> S3Server:
+def start_seaweedfs(
+    tmpdir: str,
+    bucket: str = DEFAULT_BUCKET,
+    host: str = "127.0.0.1",
+    command_prefix: Sequence[str] = (),
+) -> S3Server:
     """Start `weed mini` with its data and log under `tmpdir`; `bucket` exists on return.
 
     Every listener gets its own free port so several servers (and other tests) can run side by
-    side; credentials reach SeaweedFS through AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.
+    side; credentials reach SeaweedFS through AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY. The
+    server listens on `host` and runs under `command_prefix` (e.g. `ip netns exec <ns>`).
     """
     if not 3 <= len(bucket) <= 63:
         raise ValueError(f"bucket name {bucket!r} must be 3-63 characters long")
@@ -169,21 +181,23 @@ def start_seaweedfs(tmpdir: str, bucket: str = DEFAULT_BUCKET) -> S3Server:
         ports["admin.port"] = picker.pick(twin_offset=_SEAWEED_GRPC_OFFSET)
     ports["admin.port.grpc"] = ports["admin.port"] + _SEAWEED_GRPC_OFFSET
     # -logtostderr keeps glog's files out of /tmp: everything lands in our log file.
-    cmd = [exe, "-logtostderr", "mini", f"-dir={data_dir}", "-ip=127.0.0.1"]
-    cmd += ["-ip.bind=127.0.0.1", "-master.telemetry=false", "-webdav=false", "-admin.ui=false"]
+    cmd = [*command_prefix, exe, "-logtostderr", "mini", f"-dir={data_dir}", f"-ip={host}"]
+    cmd += [f"-ip.bind={host}", "-master.telemetry=false", "-webdav=false", "-admin.ui=false"]
     cmd += [f"-bucket={bucket}", f"-filer.localSocket={sock_dir}/filer.sock"]
     cmd += [f"-s3.localSocket={sock_dir}/s3.sock"]
     cmd += [f"-{flag}={port}" for flag, port in ports.items()]
-    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+    endpoint = f"http://{host}:{ports['s3.port']}"
     log_path = os.path.join(tmpdir, "weed.log")
     server = _spawn(
         "seaweedfs", cmd, endpoint, ("relaxadmin", "relaxsecret123"), log_path, cleanups, bucket
     )
     try:
         # The S3 port opens before the filer has created the bucket; listing it is the real test.
-        probe = {"connect_timeout": 1, "read_timeout": 2, "retries": {"total_max_attempts": 1}}
-        fs = server.filesystem(config_kwargs=probe)
-        _wait_ready(server, lambda: _bucket_lists(fs, bucket))
+        if command_prefix:
+            _wait_ready(server, lambda: _bucket_lists_under(command_prefix, server, bucket))
+        else:
+            fs = server.filesystem(config_kwargs=_PROBE_CONFIG)
+            _wait_ready(server, lambda: _bucket_lists(fs, bucket))
     except BaseException:
         server.stop()
         raise
@@ -328,6 +342,27 @@ def _bucket_lists(fs: Any, bucket: str) -> bool:
     except Exception:  # connection refused, NoSuchBucket while the filer starts, ...
         return False
     return True
+
+
+_PROBE_CONFIG = {"connect_timeout": 1, "read_timeout": 2, "retries": {"total_max_attempts": 1}}
+_PROBE_SCRIPT = """
+import json, sys, s3fs
+fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs=json.loads(sys.argv[3]),
+                       client_kwargs={"endpoint_url": sys.argv[1]})
+fs.ls(sys.argv[2])
+"""
+
+
+def _bucket_lists_under(prefix: Sequence[str], server: S3Server, bucket: str) -> bool:
+    """`_bucket_lists` from a process started under `prefix` (the server's network)."""
+    env = dict(os.environ, AWS_ACCESS_KEY_ID=server.key, AWS_SECRET_ACCESS_KEY=server.secret)
+    cmd = [*prefix, sys.executable, "-c", _PROBE_SCRIPT, server.endpoint_url, bucket]
+    cmd.append(json.dumps(_PROBE_CONFIG))
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return False
+    return done.returncode == 0
 
 
 def _stop_group(process: subprocess.Popen, timeout: float) -> None:

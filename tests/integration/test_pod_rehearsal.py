@@ -1,0 +1,242 @@
+"""Pod rehearsal: the `train` workflow with every task in a pod of its own (tests/rehearsal).
+
+Each task (and each @dynamic's decision) runs in a fresh process with its own network namespace
+on a private bridge, an empty tmpfs disk, HOME and TMPDIR, the repo as an overlayfs image and a
+read-only root, as Kubernetes pods would. Pods share only a SeaweedFS S3 endpoint and an `mlflow
+server` on a "storage" host, and only what a task returns reaches the next one; every output is
+checked for local paths. So this is where a run that works on one machine but not on a cluster
+fails.
+
+- isolation: a file one pod writes is invisible to the next pod; a pod sees its own name and IP,
+  a read-only root and none of the host's loopback services;
+- the output check catches a local path, and without it the next pod cannot open that path;
+- colocate (cpu-default, shortened): one rl_steps pod is killed once it has committed a
+  checkpoint and rerun in a fresh pod; the run ends at total_steps with every step logged;
+- async-tasks (cpu-async, shortened): rollout, advantages and trainer pods side by side; the
+  trainer is killed after its first checkpoint and rerun; the others end on their own and the
+  exactly-once audit (in a pod of its own) finds nothing lost or trained twice.
+
+Needs root and iproute2 for namespaces; elsewhere the rehearsal says so (a warning and a printed
+line) and runs plain processes on loopback, which still catches a local path handed on.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import yaml
+
+from relax_core.config import config_from_dict, config_to_dict
+from tests.rehearsal.cluster import REPO, open_cluster
+from tests.rehearsal.driver import PodError, kill_after, newer_checkpoint
+from tests.rehearsal.outputs import LocalPathInOutput, check_outputs
+from tests.rehearsal.pods import image_files
+
+ROOT_PREFIX = "runs"
+"""Both runs share one storage root (each has its own run id under it), so the second run finds
+the starting policy the first prepared, as a run on a cluster would."""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Network, storage host and pod launcher, shared by the module; where namespaces cannot be
+    made, open_network says so (an IsolationUnavailable warning and a printed line)."""
+    with open_cluster(tmp_path_factory.mktemp("rehearsal")) as c:
+        yield c
+
+
+def _config(cluster, name: str, **sections) -> dict:
+    """configs/<name> with `sections` merged in, its state under the shared storage root."""
+    data = yaml.safe_load(Path(REPO, "configs", name).read_text())
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    data["storage"] = {
+        "root": cluster.storage_root(ROOT_PREFIX),
+        "endpoint_url": cluster.endpoint_url,
+    }
+    data.setdefault("tracking", {})["progress"] = False
+    return config_to_dict(config_from_dict(data))
+
+
+def _logged_steps(tracking_uri: str, run_id: str, key: str) -> tuple[str, set[int]]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    status = client.get_run(run_id).info.status
+    return status, {m.step for m in client.get_metric_history(run_id, key)}
+
+
+def _registered_from(tracking_uri: str, model: str) -> list[str]:
+    """The MLflow run ids the versions of registered model `model` came from."""
+    from mlflow.tracking import MlflowClient
+
+    return [v.run_id for v in MlflowClient(tracking_uri).search_model_versions(f"name='{model}'")]
+
+
+def _versions(records) -> list[int]:
+    return [int(r.outputs["o0"].rsplit("_", 1)[-1]) for r in records if r.outputs]
+
+
+# --------------------------------------------------------------------------- the harness itself
+
+
+@pytest.mark.parametrize(
+    "outputs",
+    [
+        {"o0": "/tmp/.relax/checkpoints/cpu-default-1/step_000010"},
+        {"o0": ".relax/policies/tiny-6afebec65b2cfb71"},
+        {"o0": "file:///tmp/relax-scratch/step_000010"},
+        {"o0": "s3://rehearsal/elsewhere/checkpoints/step_000010"},
+        {"o0": json.dumps({"model": {"source": "/root/.cache/hf/model"}})},
+    ],
+)
+def test_the_output_check_catches_a_local_path(outputs) -> None:
+    with pytest.raises(LocalPathInOutput, match="handed on a place no other pod can see"):
+        check_outputs("rl_steps", outputs, "s3://rehearsal/runs", image_files(REPO))
+
+
+def test_the_output_check_passes_storage_urls_image_files_and_the_config() -> None:
+    cfg_json = json.dumps({"checkpoint": {"dir": ".relax/checkpoints"}})
+    outputs = {
+        "cfg_json": cfg_json,
+        "checkpoint": "s3://rehearsal/runs/checkpoints/cpu-default-1/step_000010",
+        "spec": json.dumps({"data": {"train_path": "datasets/arithmetic/train.jsonl"}}),
+        "tracking": "http://10.0.0.2:5000",
+        "model": "models:/relax-cpu-default/3",
+        "execution": "async-tasks",
+    }
+    check_outputs("x", outputs, "s3://rehearsal/runs", image_files(REPO), [cfg_json])
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_file_one_pod_writes_is_invisible_to_the_next_pod(cluster) -> None:
+    rehearsal = cluster.rehearsal(cluster.storage_root(ROOT_PREFIX))
+    wrote = rehearsal.call("tests.rehearsal.probes:write_local", {"token": "pod-a"})["written"]
+    # Isolated, every local place is the pod's own; on the fallback only cwd, HOME and TMPDIR.
+    private = set(wrote) if cluster.isolated else {"cwd", "home", "tmpdir"}
+    shared = {where: path for where, path in wrote.items() if where not in private}
+    try:
+        assert {"cwd", "home", "tmpdir"} <= set(wrote), wrote
+        seen = rehearsal.call(
+            "tests.rehearsal.probes:read_local", {"paths": wrote, "token": "pod-a"}
+        )
+        assert not any(seen[where] for where in private), f"pod B read what pod A wrote: {seen}"
+        for where in private:  # nor does the host (the repo checkout above all)
+            path = Path(wrote[where])
+            assert not path.exists() or path.read_text() != "pod-a", path
+    finally:
+        for path in shared.values():  # the fallback's pods write into the host's /tmp
+            Path(path).unlink(missing_ok=True)
+    if not cluster.isolated:
+        print(f"WARNING: isolation checks skipped: {cluster.network.reason}")
+        return
+    assert not shared
+    me = rehearsal.call("tests.rehearsal.probes:whoami", {})
+    assert me["resolves_to"] == me["pod_ip"] != "127.0.0.1", me
+    assert me["pid"] == 1 and me["tmpdir"] == "/tmp", me
+    refused = rehearsal.call("tests.rehearsal.probes:write_local", {"token": "b"})["refused"]
+    assert "root" in refused, "a pod could write to the shared root filesystem"
+    with socket.create_server(("127.0.0.1", 0)) as server:  # a service on the host's loopback
+        probe = {"host": "127.0.0.1", "port": server.getsockname()[1]}
+        reached = rehearsal.call("tests.rehearsal.probes:can_connect", probe)
+    assert not reached, "a pod reached a service on the host's loopback"
+    host, port = cluster.tracking_uri.removeprefix("http://").split(":")
+    probe = {"host": host, "port": int(port)}
+    assert rehearsal.call("tests.rehearsal.probes:can_connect", probe), "storage unreachable"
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_task_that_hands_on_a_local_path_fails_the_rehearsal(cluster) -> None:
+    from tests.rehearsal.probe_tasks import leaky_pipeline
+
+    root = cluster.storage_root(ROOT_PREFIX)
+    with pytest.raises(LocalPathInOutput, match=r"(?s)leaky_checkpoint .*absolute path"):
+        cluster.rehearsal(root).run(leaky_pipeline, {})
+    # Without the check the next pod fails on the path, as the task would on a cluster.
+    with pytest.raises(PodError, match=r"pod read-checkpoint-\d+ exited with code 1") as failed:
+        cluster.rehearsal(root, check_outputs=False).run(leaky_pipeline, {})
+    assert "FileNotFoundError" in str(failed.value)
+
+
+# --------------------------------------------------------------------------- the train workflow
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_colocate_run_in_pods_survives_a_killed_rl_steps_pod(cluster) -> None:
+    from workflows.train import train
+
+    total = 30
+    cfg = _config(
+        cluster,
+        "cpu-default.yaml",
+        train={"total_steps": total, "steps_per_node": 15, "checkpoint_every": 5, "eval_every": 0},
+    )
+    root = cluster.storage_root(ROOT_PREFIX)
+    rehearsal = cluster.rehearsal(root, faults=[kill_after("rl_steps", newer_checkpoint())])
+    result = rehearsal.run(train, {"cfg": cfg})
+
+    summary = result.outputs["o0"]
+    assert summary["steps"] == total, summary
+    assert summary["checkpoint"].startswith(f"{root}/checkpoints/{summary['run_id']}/"), summary
+    assert summary["eval_accuracy_after"] > summary["eval_accuracy_before"], summary
+    steps = result.pods_of("rl_steps")
+    assert [r.killed for r in steps].count(True) == 1, [(r.pod, r.killed) for r in steps]
+    done = _versions(steps)
+    assert done == sorted(done) and done[-1] == total, done
+    # The rerun resumed from what the killed pod committed: every step is logged, none lost.
+    status, logged = cluster.on_ctl(
+        _logged_steps, cluster.tracking_uri, summary["mlflow_run_id"], "train/reward_mean"
+    )
+    assert status == "FINISHED"
+    assert set(range(1, total + 1)) <= logged, sorted(set(range(1, total + 1)) - logged)
+    # The final policy is registered, its files in the object store behind the tracking server.
+    sources = cluster.on_ctl(_registered_from, cluster.tracking_uri, "relax-cpu-default")
+    assert summary["mlflow_run_id"] in sources, sources
+    assert cluster.watch.fs.find(f"{cluster.bucket}/mlflow"), "no model files in the object store"
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_async_tasks_run_in_pods_survives_a_killed_trainer_and_audits_clean(cluster) -> None:
+    from workflows.train import train
+
+    total, groups = 20, 32
+    cfg = _config(
+        cluster,
+        "cpu-async.yaml",
+        train={"total_steps": total, "checkpoint_every": 5, "eval_every": 0},
+        data={"eval_size": 128},  # no accuracy claim here: a shorter eval
+        rollout={"groups_per_step": groups},
+        services={"launch": "tasks"},
+    )
+    root = cluster.storage_root(ROOT_PREFIX)
+    faults = [kill_after("trainer_service", newer_checkpoint())]
+    rehearsal = cluster.rehearsal(root, faults=faults, grace_s=90)
+    result = rehearsal.run(train, {"cfg": cfg})
+
+    summary = result.outputs["o0"]
+    assert summary["steps"] == total, summary
+    trainers = result.pods_of("trainer_service")
+    assert [r.killed for r in trainers] == [True, False], [(r.pod, r.killed) for r in trainers]
+    for role in ("rollout_service", "advantages_service"):  # they ended on their own
+        assert [r.killed for r in result.pods_of(role)] == [False], role
+    audit = rehearsal.call(
+        "tests.rehearsal.checks:queue_audit",
+        {
+            "cfg_json": result.pods_of("prepare_data")[0].outputs["cfg_json"],
+            "checkpoint": summary["checkpoint"],
+        },
+    )
+    assert audit["lost_groups"] == 0 and audit["duplicated_groups"] == 0, audit
+    assert audit["trained_groups"] == total * groups, audit
+    assert audit["trained_but_never_generated"] == 0, audit
+    status, logged = cluster.on_ctl(
+        _logged_steps, cluster.tracking_uri, summary["mlflow_run_id"], "train/reward_mean"
+    )
+    assert status == "FINISHED" and set(range(1, total + 1)) <= logged, sorted(logged)
