@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shlex
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +42,7 @@ from flytekit.core.python_auto_container import get_registerable_container_image
 from flytekit.extras.accelerators import GPUAccelerator
 
 from relax_core.config import RunConfig, load_config
+from relax_core.ops.placement import data_parallel, demand
 from relax_core.roles.service import stage_chain
 from relax_core.rollout.sglang_server import server_flags
 from tasks.pods import TRAINER_IMAGE, model_pod, sglang_rollout_pod
@@ -106,19 +106,6 @@ def registered(task: str) -> dict[str, Any]:
     return task_ask(registration_config(), task).task_args()
 
 
-def data_parallel(extra_args: str) -> int:
-    """The data-parallel replicas `--dp-size` (or `--data-parallel-size`) asks of a server."""
-    args = shlex.split(extra_args)
-    for i, arg in enumerate(args):
-        name, eq, value = arg.partition("=")
-        if name in ("--dp-size", "--data-parallel-size"):
-            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
-            if not value.isdigit() or int(value) < 1:
-                raise ValueError(f"sglang.extra_args: {name} needs a count >= 1, got {value!r}")
-            return int(value)
-    return 1
-
-
 def sglang_gpus(cfg: RunConfig) -> int:
     """GPUs of one SGLang server: tensor parallel over rollout_gpus, times its replicas."""
     return cfg.services.rollout_gpus * data_parallel(cfg.sglang.extra_args)
@@ -132,9 +119,8 @@ def gpus(cfg: RunConfig, task: str) -> int:
     if not s.accelerator or task in LIGHT:
         return 0
     sglang = cfg.rollout.engine == "sglang"
-    engine = sglang_gpus(cfg) if sglang else s.rollout_gpus
     per_task = {
-        "async_local": s.trainer_gpus + s.rollout_workers * engine,
+        "async_local": sum(n for _, n, _ in demand(cfg)),  # the supervisor's placement
         "trainer_service": s.trainer_gpus,
         "rollout_service": s.rollout_gpus,
         "sglang_rollout_service": sglang_gpus(cfg),

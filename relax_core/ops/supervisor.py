@@ -30,18 +30,21 @@ exits on `control/stop`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import fields
 
 from relax_core.config import RunConfig, config_to_dict
 from relax_core.ops.elastic import ElasticPool
 from relax_core.ops.notify import Notifier
+from relax_core.ops.placement import Slot, describe, env_for, plan, visible_devices
 from relax_core.ops.processes import (
     RoleProcess,
     log_tail,
@@ -91,6 +94,8 @@ class Supervisor:
         self.notifier = Notifier(cfg.services.notify, self.run_id)
         self.pool: ElasticPool | None = None
         self.api = None
+        self.placement: list[Slot] = []
+        """Each model-holding process's GPUs ([] on a CPU run)."""
         """The scaling API's server (scale_api.ScaleServer) while the run goes on."""
 
     def _prepare(self) -> str:
@@ -107,6 +112,14 @@ class Supervisor:
             json.dump(config_to_dict(self.cfg), f, sort_keys=True)
         return cfg_path
 
+    def _place(self) -> None:
+        """Decide every process's GPUs (placement.py): refused before anything starts when they
+        do not fit; printed, and kept in the run directory."""
+        self.placement = plan(self.cfg, visible_devices())
+        print(describe(self.placement), file=sys.stderr, flush=True)
+        rows = [dataclasses.asdict(slot) for slot in self.placement]
+        write_json(join(self.run_dir, "placement.json"), rows, self.options)
+
     def _newest_checkpoint(self) -> str:
         found = ckpt.list_checkpoints(self.run_dir, self.options)
         return found[-1] if found else self.checkpoint
@@ -115,6 +128,7 @@ class Supervisor:
         name = f"{role}-{worker}"
         incarnation = sum(1 for p in self.procs if p.name == name)
         log_path = os.path.join(self.local_dir, "logs", f"{name}.log")
+        env = {**self._env, **env_for(self.placement, name)}
         rp = RoleProcess(role, worker, log_path, incarnation, started=time.perf_counter())
         cmd = [*role_launcher(self.cfg, role), "--cfg", self._cfg_path]
         cmd += ["--run-id", self.run_id, "--checkpoint", self._newest_checkpoint()]
@@ -124,7 +138,7 @@ class Supervisor:
             # The trainer's progress bar and log go to this console as well as its file.
             stderr = None if role == "trainer" else out
             rp.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=stderr, env=self._env, start_new_session=rp.group
+                cmd, stdout=out, stderr=stderr, env=env, start_new_session=rp.group
             )
         rp.pid = rp.proc.pid
         self.procs.append(rp)
@@ -196,6 +210,7 @@ class Supervisor:
     def run(self) -> str:
         """Run every role until the trainer finishes; returns the final checkpoint."""
         self._cfg_path = self._prepare()
+        self._place()
         env = dict(os.environ)
         env[CORE_SHARE_ENV] = f"{os.path.join(self.local_dir, 'cores')}:{usable_cores()}"
         env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
