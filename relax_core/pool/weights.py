@@ -74,8 +74,17 @@ def make_sender(cfg: RunConfig, queue: TransferQueue, specs: list[Any]):
         host=host,
         timeout_s=s.start_timeout_s,
         pause_mode=cfg.sglang.pause_mode,
+        previous=_previous_sglang_group(queue),
     )
     return TrainerSync(broadcast, sglang, queue)
+
+
+def _previous_sglang_group(queue: TransferQueue) -> dict | None:
+    """The SGLang group an earlier trainer of this run recorded (its servers may still hold it)."""
+    try:
+        return json.loads(queue.store.read_bytes(f"control/rendezvous/{SGLANG_GROUP}"))
+    except FileNotFoundError:
+        return None
 
 
 class TrainerSync:

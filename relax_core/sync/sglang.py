@@ -14,6 +14,11 @@ SGLang's documented update path, driven from the trainer (rank 0):
 3. the engine set changes (an engine registered or drained): `/destroy_weights_update_group` on
    the servers that stay, and a new group under a new name, formed at the next update.
 
+Group names are `{base}-{incarnation}-{generation}`, the incarnation a nonce of this sender: a
+trainer restarted from a checkpoint finds servers that still hold the dead trainer's group, and
+torch refuses a second group of the same name. The new trainer first destroys the group the dead
+one recorded (`previous`, from control/rendezvous/sglang) on the servers that were in it.
+
 Buckets are the same plan as the broadcast transport (buckets.py): one dtype each, at most
 `bucket_bytes`, so the staging a server needs is bounded. NCCL on GPUs, gloo on CPU.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -60,6 +66,7 @@ class SGLangSender:
         group_name: str = "relax-weights",
         timeout_s: float = 600.0,
         pause_mode: str = "retract",
+        previous: dict[str, Any] | None = None,
     ) -> None:
         self._engines = engines if callable(engines) else (lambda fixed=tuple(engines): fixed)
         self.specs = list(specs)
@@ -78,6 +85,10 @@ class SGLangSender:
         self.members: list[tuple[str, str]] = []
         """(name, URL) of the servers in the current group."""
         self.generation = -1
+        self.incarnation = secrets.token_hex(3)
+        """Names this sender's groups apart from an earlier trainer's (see the module doc)."""
+        self.previous = previous
+        """The rendezvous record of the group a dead trainer left on the servers, if any."""
         self.group: Any = None
         self.group_name = ""
         self.clients: dict[str, SGLangClient] = {}
@@ -164,7 +175,8 @@ class SGLangSender:
         sizes = [SGLangEngine(self._client(n, u)).tp_size() for n, u in wanted]
         world = 1 + sum(sizes)
         port = free_port(self.host)
-        name = f"{self.base_name}-{self.generation}"
+        name = f"{self.base_name}-{self.incarnation}-{self.generation}"
+        self._destroy_previous(wanted)
         offsets = [1 + sum(sizes[:i]) for i in range(len(wanted))]
         pending = [
             (
@@ -212,6 +224,21 @@ class SGLangSender:
         }
         """How the group formed (for control/rendezvous/; the servers got it over HTTP)."""
         log.info("SGLang weight group %s formed: %s (world size %d)", name, wanted, world)
+
+    def _destroy_previous(self, wanted: list[tuple[str, str]]) -> None:
+        """Destroy the dead trainer's group on the servers that held it (best effort: a server
+        that restarted since holds none)."""
+        if not self.previous:
+            return
+        old = self.previous.get("group_name", "")
+        held = set(self.previous.get("rank_offsets", {}))
+        for name, url in wanted:
+            if name in held and old:
+                with contextlib.suppress(SGLangError):
+                    self._client(name, url).post(
+                        "/destroy_weights_update_group", {"group_name": old}, 30.0
+                    )
+        self.previous = None
 
     def _leave(self) -> None:
         if self.group is None:

@@ -21,6 +21,7 @@ import torch
 from relax_core.rollout.engine import SamplingParams
 from relax_core.rollout.sglang_engine import SGLangClient, SGLangEngine, SGLangError, wait_healthy
 from relax_core.sync.buckets import specs_of
+from relax_core.sync.process_group import leave_weight_group
 from relax_core.sync.sglang import SGLangSender
 from tests.integration.weight_sync_actors import engine_prompts, tiny_policy
 from tests.s3servers import free_ports
@@ -160,6 +161,33 @@ def test_group_forms_again_when_a_server_joins(servers):
         assert SGLangEngine(servers[0]).refresh_version() == 12
     finally:
         sender.destroy()
+
+
+def test_a_restarted_trainer_forms_a_new_group_with_servers_that_hold_the_dead_ones(servers):
+    trainer, _ = tiny_policy(2)
+    named = list(trainer.named_parameters())
+    wanted = [("sg-0", servers[0].url)]
+    dead = SGLangSender(lambda: wanted, specs_of(named), bucket_bytes=1 << 20, timeout_s=60)
+    assert dead.push(named, 20) is True
+    # The trainer dies: it never destroys its group, the server still holds it. Its successor
+    # (a new process from the newest checkpoint) reads what the dead one recorded.
+    record = dict(dead.rendezvous)
+    restarted = SGLangSender(
+        lambda: wanted, specs_of(named), bucket_bytes=1 << 20, timeout_s=60, previous=record
+    )
+    try:
+        assert restarted.push(named, 21) is True
+        assert restarted.group_name != record["group_name"]
+        assert SGLangEngine(servers[0]).refresh_version() == 21
+        assert servers[0].get("/relax_test/digest") == _digest(named)
+        # The dead trainer's group is gone from the server: only the new one is held.
+        refused = servers[0].post(
+            "/destroy_weights_update_group", {"group_name": record["group_name"]}, 30.0
+        )
+        assert refused.get("success") is False, refused
+    finally:
+        restarted.destroy()
+        leave_weight_group(dead.group)
 
 
 def test_refusals_and_unreachable_servers_are_named(servers):
