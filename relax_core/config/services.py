@@ -120,8 +120,9 @@ class SGLangConfig:
     """Share of GPU memory SGLang takes for weights and KV cache."""
     pause_mode: str = "retract"
     """How a weight update pauses generation: 'retract' (running requests go back to the queue
-    and their KV cache is recomputed under the new weights), 'in_place' (kept, finished under
-    the new weights: a partial rollout) or 'abort'."""
+    and their KV cache is recomputed under the new weights; the cache is flushed), 'in_place'
+    (kept, finished under the new weights with the KV cache they have: a partial rollout; no
+    flush, SGLang refuses one while requests run) or 'abort'."""
     release_memory: bool = True
     """Colocate on one GPU: the server frees its weights and KV cache while the trainer runs
     (--enable-memory-saver, /release_memory_occupation) and takes them back after."""

@@ -10,7 +10,9 @@ SGLang's documented update path, driven from the trainer (rank 0):
    then per bucket `/update_weights_from_distributed {names, dtypes, shapes, group_name,
    load_format: "flattened_bucket"}` on every server while rank 0 broadcasts the bucket as one
    flat uint8 tensor (tensors back to back, SGLang's FlattenedTensorBucket layout); the last
-   bucket carries `weight_version: "v"` and `flush_cache`; then `/continue_generation`.
+   bucket carries `weight_version: "v"` and `flush_cache` (not with pause mode in_place, whose
+   paused requests keep running: SGLang refuses to flush then and fails the update); then
+   `/continue_generation`.
 3. the engine set changes (an engine registered or drained): `/destroy_weights_update_group` on
    the servers that stay, and a new group under a new name, formed at the next update.
 
@@ -260,7 +262,9 @@ class SGLangSender:
             "shapes": [list(s.shape) for s in bucket.specs],
             "group_name": self.group_name,
             "load_format": "flattened_bucket",
-            "flush_cache": version is not None,
+            # SGLang flushes only an idle scheduler: after a retract or abort pause nothing runs,
+            # but in_place keeps its requests running, and a flush would fail the update.
+            "flush_cache": version is not None and self.pause_mode != "in_place",
         }
         if version is not None:
             body["weight_version"] = str(version)

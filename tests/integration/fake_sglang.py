@@ -184,6 +184,10 @@ class FakeSGLang:
         if not len(names) == len(dtypes) == len(shapes):
             raise BadRequest("names, dtypes and shapes differ in length")
         group = self.groups[name]
+        # SGLang flushes the cache after loading, and a flush needs an idle scheduler: no running
+        # request (paused in_place ones count), and no waiting one unless generation is paused
+        # (Scheduler.flush_cache -> is_fully_idle(ignore_waiting=paused) in 0.5.23).
+        flushable = self._idle_for_flush()
         self.event("update_begin", name)
         empties = [torch.empty(s, dtype=dtype_of(d)) for d, s in zip(dtypes, shapes, strict=True)]
         if body.get("load_format") == "flattened_bucket":
@@ -207,7 +211,18 @@ class FakeSGLang:
             if body.get("weight_version") is not None:
                 self.weight_version = str(body["weight_version"])
         self.event("update_end", self.weight_version)
+        if body.get("flush_cache", True) and not flushable:
+            return {
+                "success": False,
+                "message": "Weights were updated, but the cache was not flushed because "
+                "requests are still running or queued. Retract or finish them, then call "
+                "/flush_cache.",
+            }
         return {"success": True, "message": "Succeeded to update parameter online."}
+
+    def _idle_for_flush(self) -> bool:
+        with self.cond:
+            return self.running == 0 and (self.paused or self.waiting == 0)
 
     def update_from_disk(self, body: dict) -> dict:
         from safetensors.torch import load_file
@@ -267,6 +282,13 @@ class FakeSGLang:
         mode = body.get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest(f"Invalid mode: {mode!r}")
+        if mode == "in_place":
+            # Running requests stay in the batch, paused, and go on after continue with the
+            # KV cache they have: they are still running while the update arrives.
+            with self.cond:
+                self.paused = True
+            self.event("pause", mode)
+            return {"success": True, "message": "paused"}
         with self.cond:
             # Requests queued before this pause run first (SGLang serves a retracted request
             # after continue; here that is before the next pause, so a trainer that updates

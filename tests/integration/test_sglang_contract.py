@@ -140,6 +140,37 @@ def test_updates_arrive_bit_exact_with_generation_paused(servers):
     assert {1, 2} <= versions | {c.policy_version_max for c in done}
 
 
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_an_update_while_requests_run_succeeds_in_each_pause_mode(servers, mode):
+    client = servers[1]
+    trainer, _ = tiny_policy(3)
+    named = list(trainer.named_parameters())
+    sender = SGLangSender(
+        [("sg-1", client.url)], specs_of(named), bucket_bytes=1 << 20, timeout_s=60, pause_mode=mode
+    )
+    engine = SGLangEngine(client)
+    prompts = engine_prompts(tiny_policy(0)[1])
+    results: list = []
+    worker = threading.Thread(
+        target=lambda: results.extend(engine.generate(prompts, SamplingParams(max_new_tokens=8)))
+    )
+    try:
+        sender.init()
+        worker.start()
+        deadline = time.monotonic() + 30
+        while not any(e[1] == "generate_start" for e in _events(client)[-5:]):
+            assert time.monotonic() < deadline, "generation never started"
+            time.sleep(0.01)
+        # An update arrives while a request runs: retract takes it out of the batch and the
+        # cache is flushed; in_place keeps it running, so no flush may be asked for.
+        sender.push(named, 30)
+        assert SGLangEngine(client).refresh_version() == 30
+        worker.join(60)
+        assert len(results) == len(prompts)
+    finally:
+        sender.destroy()
+
+
 def test_group_forms_again_when_a_server_joins(servers):
     trainer, _ = tiny_policy(2)
     named = list(trainer.named_parameters())
