@@ -42,7 +42,7 @@ from flytekit.core.python_auto_container import get_registerable_container_image
 from flytekit.extras.accelerators import GPUAccelerator
 
 from relax_core.config import RunConfig, load_config
-from relax_core.ops.placement import data_parallel, demand
+from relax_core.ops.placement import demand, sglang_gpus
 from relax_core.roles.service import stage_chain
 from relax_core.rollout.sglang_server import server_flags
 from tasks.pods import TRAINER_IMAGE, model_pod, sglang_rollout_pod
@@ -104,11 +104,6 @@ def registration_config() -> RunConfig:
 def registered(task: str) -> dict[str, Any]:
     """`@task` keyword arguments of `task` under the registration config."""
     return task_ask(registration_config(), task).task_args()
-
-
-def sglang_gpus(cfg: RunConfig) -> int:
-    """GPUs of one SGLang server: tensor parallel over rollout_gpus, times its replicas."""
-    return cfg.services.rollout_gpus * data_parallel(cfg.sglang.extra_args)
 
 
 def gpus(cfg: RunConfig, task: str) -> int:

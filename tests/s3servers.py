@@ -115,12 +115,12 @@ class S3Server:
 
     def log_tail(self) -> str:
         """The last few KB of the server's log, for error messages."""
-        return _tail(self.log_path)
+        return log_tail(self.log_path)
 
     def stop(self) -> None:
         """End the server's process group; idempotent. Data under its directory is kept."""
         try:
-            _stop_group(self.process, STOP_TIMEOUT_S)
+            stop_group(self.process)
         finally:
             while self._cleanups:
                 self._cleanups.pop()()
@@ -365,7 +365,7 @@ def _bucket_lists_under(prefix: Sequence[str], server: S3Server, bucket: str) ->
     return done.returncode == 0
 
 
-def _stop_group(process: subprocess.Popen, timeout: float) -> None:
+def stop_group(process: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> None:
     """SIGTERM the process group led by `process`, SIGKILL what is left after `timeout`."""
     pgid = process.pid  # start_new_session made the server its group's leader
     if process.poll() is None:
@@ -379,10 +379,11 @@ def _stop_group(process: subprocess.Popen, timeout: float) -> None:
     process.wait(timeout)
 
 
-def _tail(path: str) -> str:
+def log_tail(path: str | os.PathLike, max_bytes: int = _LOG_TAIL_BYTES) -> str:
+    """The last `max_bytes` of a log file, or why it cannot be read."""
     try:
         with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - _LOG_TAIL_BYTES))
+            f.seek(max(0, os.path.getsize(path) - max_bytes))
             return f.read().decode(errors="replace")
     except OSError as err:
         return f"(log unreadable: {err})"

@@ -238,10 +238,7 @@ def validate(cfg: RunSections) -> list[str]:
     q = cfg.queue
     if not q.root:
         e.append("queue.root: required (a local directory or s3://bucket/prefix)")
-    if q.endpoint_url and not q.root.startswith(("s3://", "s3a://")):
-        e.append(f"queue.endpoint_url: only used with an s3:// root, but root is {q.root!r}")
-    if q.endpoint_url and not q.endpoint_url.startswith(("http://", "https://")):
-        e.append(f"queue.endpoint_url: must start with http:// or https://, got {q.endpoint_url!r}")
+    _check_endpoint(e, "queue", q.root, q.endpoint_url)
     if not q.lease_ttl_s > 0:
         e.append(f"queue.lease_ttl_s: must be > 0, got {q.lease_ttl_s}")
     positive(e, "queue.retry_attempts", q.retry_attempts)
@@ -288,11 +285,14 @@ def _check_storage(e: list[str], cfg) -> None:
     st = cfg.storage
     if not st.root:
         e.append("storage.root: required (a local directory or a URL such as s3://bucket/prefix)")
-    if st.endpoint_url and not st.root.startswith(("s3://", "s3a://")):
-        e.append(f"storage.endpoint_url: only used with an s3:// root, but root is {st.root!r}")
-    if st.endpoint_url and not st.endpoint_url.startswith(("http://", "https://")):
-        e.append(
-            f"storage.endpoint_url: must start with http:// or https://, got {st.endpoint_url!r}"
-        )
+    _check_endpoint(e, "storage", st.root, st.endpoint_url)
     if "://" in st.scratch_dir:
         e.append(f"storage.scratch_dir: a local directory, got the URL {st.scratch_dir!r}")
+
+
+def _check_endpoint(e: list[str], section: str, root: str, endpoint: str) -> None:
+    """An S3 endpoint is for an s3:// root and is an http(s) URL."""
+    if endpoint and not root.startswith(("s3://", "s3a://")):
+        e.append(f"{section}.endpoint_url: only used with an s3:// root, but root is {root!r}")
+    if endpoint and not endpoint.startswith(("http://", "https://")):
+        e.append(f"{section}.endpoint_url: must start with http:// or https://, got {endpoint!r}")

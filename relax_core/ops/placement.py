@@ -56,12 +56,14 @@ def data_parallel(extra_args: str) -> int:
     return 1
 
 
+def sglang_gpus(cfg: RunConfig) -> int:
+    """GPUs of one SGLang server: tensor parallel over rollout_gpus, times its replicas."""
+    return cfg.services.rollout_gpus * data_parallel(cfg.sglang.extra_args)
+
+
 def engine_gpus(cfg: RunConfig) -> int:
     """GPUs of one rollout worker's engine."""
-    s = cfg.services
-    if cfg.rollout.engine == "sglang":
-        return s.rollout_gpus * data_parallel(cfg.sglang.extra_args)
-    return s.rollout_gpus
+    return sglang_gpus(cfg) if cfg.rollout.engine == "sglang" else cfg.services.rollout_gpus
 
 
 def demand(cfg: RunConfig) -> list[tuple[str, int, str]]:

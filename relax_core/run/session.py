@@ -22,7 +22,7 @@ from relax_core.roles.episodes import env_runner
 from relax_core.roles.media import prompt_source, resolver_for
 from relax_core.rollout.torch_engine import TorchEngine
 from relax_core.run.prepare import local_policy
-from relax_core.storage import join, local_dir_for
+from relax_core.storage import join, local_cache, local_dir_for
 from relax_core.sync.inprocess import InProcessSync
 from relax_core.train import checkpoint as ckpt
 from relax_core.train.factory import has_training_state, make_backend
@@ -38,7 +38,6 @@ class RunSession:
             torch.set_num_threads(cfg.train.torch_threads)
         self.model, self.tokenizer = load_policy(model_dir, cfg.model.dtype)
         self.pad_token_id = self.tokenizer.pad_token_id
-        scratch_dir = cfg.storage.scratch_dir
         self.run_dir = join(cfg.checkpoint.dir, state.run_id)
         """Where the run's checkpoints and reports go (a local directory or a URL)."""
         self.engine = self._engine(cfg, model_dir, state.policy_version)
@@ -59,7 +58,7 @@ class RunSession:
         # the GGUF weights once.
         self.reward_fn = build_reward(
             cfg.reward,
-            cache_dir=join(local_dir_for(cfg.checkpoint.policy_cache_dir, scratch_dir), "hf"),
+            cache_dir=local_cache(cfg, "hf"),
             dtype=cfg.model.dtype,
             seed=cfg.seed,
         )

@@ -84,9 +84,7 @@ def publish_dir(
         document["files"] = files
         store = _store(location, options)
         store.delete(marker)  # a directory being replaced is not there until its new marker is
-        for name in store.walk_files(""):
-            if name not in files:
-                store.delete(name)
+        store.delete_many([n for n in store.walk_files("") if n not in files])
         for name in sorted(files):
             store.put_file(os.path.join(staging, name), name)
         store.write_replace(marker, json.dumps(document, indent=1, sort_keys=True).encode())

@@ -35,13 +35,6 @@ def parent(location: str) -> str:
     return posixpath.dirname(location.rstrip("/"))
 
 
-def name_of(location: str) -> str:
-    """The last part of `location` (a checkpoint's `step_000010`)."""
-    if is_local(location):
-        return os.path.basename(os.path.abspath(location))
-    return posixpath.basename(location.rstrip("/"))
-
-
 def scratch_root(scratch_dir: str = "") -> str:
     """The task's local scratch: `scratch_dir`, else $TMPDIR/relax-scratch (a pod's own disk)."""
     return os.path.abspath(scratch_dir or os.path.join(tempfile.gettempdir(), "relax-scratch"))

@@ -22,7 +22,6 @@ from relax_core.queue.store import ObjectStore
 from relax_core.storage import (
     join,
     local_copy,
-    name_of,
     publish_dir,
     read_json,
     remove_dir,
@@ -58,39 +57,30 @@ def save_checkpoint(
     final = publish_dir(
         join(run_dir, step_dir_name(version)), STATE_FILE, build, options, scratch_dir
     )
-    committed = list_checkpoints(run_dir, options)
+    names, done = _steps(run_dir, options)
+    committed = [join(where(run_dir), n) for n in done]
     for old in committed[: max(0, len(committed) - max(1, keep))]:
         remove_dir(old, STATE_FILE, options)
-    for orphan in _uncommitted(run_dir, committed, options):
-        remove_dir(orphan, STATE_FILE, options)
+    # Step directories without a marker older than the newest committed one are uploads a
+    # killed trainer left half done (newer ones may be an upload in progress).
+    for orphan in (n for n in names if n not in done and done and n < done[-1]):
+        remove_dir(join(where(run_dir), orphan), STATE_FILE, options)
     return final
 
 
 def list_checkpoints(run_dir: str, options: dict | None = None) -> list[str]:
     """Committed checkpoints of a run, oldest first."""
-    return [join(where(run_dir), n) for n in _step_names(run_dir, options, committed=True)]
+    return [join(where(run_dir), n) for n in _steps(run_dir, options)[1]]
 
 
-def _step_names(run_dir: str, options: dict | None, committed: bool) -> list[str]:
+def _steps(run_dir: str, options: dict | None) -> tuple[list[str], list[str]]:
+    """(every step directory, the committed ones) of a run, by name, oldest first."""
     store = ObjectStore(run_dir, options)
-    names = [n for n in store.list_dir("") if _STEP.match(n)]
-    if not committed:
-        return sorted(names)
+    names = sorted(n for n in store.list_dir("") if _STEP.match(n))
     if store.is_local:
-        return sorted(n for n in names if store.exists(f"{n}/{STATE_FILE}"))
+        return names, [n for n in names if store.exists(f"{n}/{STATE_FILE}")]
     found = store.read_many([f"{n}/{STATE_FILE}" for n in names], max_bytes=1)
-    return sorted(n for n in names if f"{n}/{STATE_FILE}" in found)
-
-
-def _uncommitted(run_dir: str, committed: list[str], options: dict | None) -> list[str]:
-    """Step directories without a marker older than the newest committed one: uploads a killed
-    trainer left half done. (Newer ones may be an upload in progress.)"""
-    if not committed:
-        return []
-    newest = name_of(committed[-1])
-    done = {name_of(c) for c in committed}
-    names = _step_names(run_dir, options, committed=False)
-    return [join(where(run_dir), n) for n in names if n not in done and n < newest]
+    return names, [n for n in names if f"{n}/{STATE_FILE}" in found]
 
 
 def read_state(checkpoint: str, options: dict | None = None) -> dict[str, Any]:

@@ -5,10 +5,6 @@ entries and the audit is clean."""
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-
 import pytest
 
 from relax_core.queue import TransferQueue
@@ -16,11 +12,10 @@ from relax_core.queue.audit import audit_run
 from relax_core.train.checkpoint import read_state
 from tests.integration.test_async_run import (
     ASYNC,
-    _beats,
     _final,
     _finish,
+    _kill_on_plan,
     _run,
-    _trainer_version,
 )
 
 pytestmark = pytest.mark.integration
@@ -41,18 +36,7 @@ def test_a_pruned_async_run_restarts_and_ends_bounded_and_audited(small_config, 
     proc = _run(cfg)
     # rollout after several passes (its restart must not void blocks whose entries are gone),
     # then the trainer (its restart must not wait for versions whose entries are gone).
-    plan, killed = [("rollout", 14), ("trainer", 25)], []
-    deadline = time.time() + 400
-    while plan and proc.poll() is None and time.time() < deadline:
-        role, at = plan[0]
-        beats = _beats(workdir)
-        for beat in beats:
-            if beat["role"] == role and _trainer_version(beats) >= at:
-                os.kill(beat["info"]["pid"], signal.SIGKILL)
-                killed.append(role)
-                plan.pop(0)
-                break
-        time.sleep(0.02)
+    killed = _kill_on_plan(proc, workdir, [("rollout", 14), ("trainer", 25)])
     assert killed == ["rollout", "trainer"], killed
     _finish(proc)
 

@@ -191,6 +191,24 @@ def _trainer_version(beats: list[dict]) -> int:
     return max([b["info"].get("policy_version", 0) for b in beats if b["role"] == "trainer"] or [0])
 
 
+def _kill_on_plan(proc: subprocess.Popen, workdir, plan: list[tuple[str, int]]) -> list[str]:
+    """SIGKILL each (role, at trainer version) of `plan` in order, once the trainer's heartbeat
+    reaches that version; returns the roles killed."""
+    plan, killed = list(plan), []
+    deadline = time.time() + 400
+    while plan and proc.poll() is None and time.time() < deadline:
+        role, at = plan[0]
+        beats = _beats(workdir)
+        for beat in beats:
+            if beat["role"] == role and _trainer_version(beats) >= at:
+                os.kill(beat["info"]["pid"], signal.SIGKILL)
+                killed.append(role)
+                plan.pop(0)
+                break
+        time.sleep(0.02)
+    return killed
+
+
 def test_killed_roles_restart_in_place_and_no_group_is_lost_or_trained_twice(small_config, workdir):
     from relax_core.queue.audit import audit_run
 
@@ -206,18 +224,7 @@ def test_killed_roles_restart_in_place_and_no_group_is_lost_or_trained_twice(sma
     proc = _run(cfg)
     # rollout mid-generation, the trainer between checkpoints (it resumes from step 40 and
     # trains again what it had trained since), then rollout again under the new trainer.
-    plan, killed = [("rollout", 2), ("trainer", 50), ("rollout", 90)], []
-    deadline = time.time() + 400
-    while plan and proc.poll() is None and time.time() < deadline:
-        role, at = plan[0]
-        beats = _beats(workdir)
-        for beat in beats:
-            if beat["role"] == role and _trainer_version(beats) >= at:
-                os.kill(beat["info"]["pid"], signal.SIGKILL)
-                killed.append(role)
-                plan.pop(0)
-                break
-        time.sleep(0.02)
+    killed = _kill_on_plan(proc, workdir, [("rollout", 2), ("trainer", 50), ("rollout", 90)])
     assert killed == ["rollout", "trainer", "rollout"], killed
     _finish(proc)
 

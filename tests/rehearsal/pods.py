@@ -43,6 +43,7 @@ from typing import Any
 
 from tests.rehearsal.netns import Host, LoopbackNetwork, Network
 from tests.rehearsal.pod_main import MARKER
+from tests.s3servers import log_tail
 
 DISK_SIZE = "4g"
 """tmpfs size limit of a pod's disk (pages are only used as written)."""
@@ -121,15 +122,6 @@ def image_files(repo: str) -> list[str]:
         check=True,
     )
     return [p for p in done.stdout.decode().split("\0") if p]
-
-
-def _tail(path: str | os.PathLike) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - _LOG_TAIL_BYTES))
-            return f.read().decode(errors="replace")
-    except OSError as err:
-        return f"(log unreadable: {err})"
 
 
 def read_outputs(log_path: str | os.PathLike) -> dict[str, Any] | None:
@@ -231,7 +223,7 @@ class Pod:
         return (self.ended_at or time.monotonic()) - self.started_at
 
     def log_tail(self) -> str:
-        return _tail(self.log_path)
+        return log_tail(self.log_path, _LOG_TAIL_BYTES)
 
     def _log_note(self) -> str:
         return f"; log {self.log_path} ends with:\n{self.log_tail()}"

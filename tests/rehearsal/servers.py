@@ -10,9 +10,7 @@ under the storage host's namespace prefix in their own sessions and are stopped 
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,7 +23,6 @@ from tests.rehearsal.netns import Host, LoopbackNetwork, Network
 
 BUCKET = "rehearsal"
 START_TIMEOUT_S = 90.0
-STOP_TIMEOUT_S = 10.0
 
 
 class StorageHost:
@@ -111,7 +108,7 @@ class StorageHost:
 
     def stop(self) -> None:
         if self.mlflow is not None:
-            _stop_group(self.mlflow)
+            s3servers.stop_group(self.mlflow)
             self.mlflow = None
         if self.s3 is not None:
             self.s3.stop()
@@ -124,15 +121,3 @@ def _healthy(url: str) -> bool:
             return response.status == 200
     except (OSError, urllib.error.URLError):
         return False
-
-
-def _stop_group(process: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (it leads it), SIGKILL what is left after a timeout."""
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(STOP_TIMEOUT_S)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait(STOP_TIMEOUT_S)

@@ -29,6 +29,7 @@ from flytekit.models.task import TaskSpec
 
 from relax_core.config import RunConfig, config_to_dict, load_config, replace
 from relax_core.config.checks_gpu import ACCELERATORS
+from relax_core.ops import placement
 from tasks import resources
 from tasks.rl import rl_steps
 from workflows.train import async_roles, rl_loop
@@ -322,12 +323,13 @@ def test_shipped_configs_name_an_accelerator_exactly_when_they_need_gpus():
 
 def test_the_sglang_server_gpus_count_its_data_parallel_replicas():
     cfg = _cfg("qwen3-4b-8xgpu")
-    assert resources.sglang_gpus(cfg) == 1
+    assert placement.sglang_gpus(cfg) == 1
     wide = replace(cfg, services={"rollout_gpus": 2}, sglang={"extra_args": "--dp-size=4"})
-    assert resources.sglang_gpus(wide) == 8
-    assert resources.data_parallel("--log-level warning --data-parallel-size 3") == 3
+    assert placement.sglang_gpus(wide) == 8
+    assert resources.gpus(wide, "sglang_rollout_service") == 8
+    assert placement.data_parallel("--log-level warning --data-parallel-size 3") == 3
     with pytest.raises(ValueError, match="sglang.extra_args: --dp-size needs a count"):
-        resources.data_parallel("--dp-size many")
+        placement.data_parallel("--dp-size many")
 
 
 def test_a_registration_config_that_does_not_exist_is_named(monkeypatch):
