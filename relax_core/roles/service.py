@@ -21,7 +21,7 @@ from relax_core.config import RunConfig, load_config
 from relax_core.queue import TransferQueue, open_queue
 from relax_core.storage import where
 from relax_core.train.checkpoint import local_checkpoint
-from relax_core.train.factory import TRAINING_STATE
+from relax_core.train.factory import TRAINER_ONLY
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +107,8 @@ def run_role(
 ) -> None:
     """Serve `role` in this process until the run stops (a Flyte task calls this directly)."""
     queue = open_queue(cfg.queue, run_id)
-    # Only the trainer loads optimizer state: the other roles never download it.
-    skip = () if role == "trainer" else tuple(TRAINING_STATE.values())
+    # Only the trainer loads optimizer state and master weights: the others never download them.
+    skip = () if role == "trainer" else TRAINER_ONLY
     local = local_checkpoint(checkpoint, cfg.storage.options(), cfg.storage.scratch_dir, skip)
     ctx = RoleContext(role, worker, cfg, run_id, local, queue, checkpoint_url=where(checkpoint))
     ctx.status["state"] = "starting"

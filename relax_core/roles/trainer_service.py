@@ -97,7 +97,7 @@ class AsyncTrainer:
         from relax_core.roles.cores import CoreShare
         from relax_core.roles.media import resolver_for
         from relax_core.sync.buckets import specs_of
-        from relax_core.train.factory import has_training_state, make_backend
+        from relax_core.train.factory import has_training_state, make_backend, trainer_dtype
 
         self.ctx = ctx
         cfg = self.cfg = ctx.cfg
@@ -109,7 +109,7 @@ class AsyncTrainer:
                 f"checkpoint {ctx.checkpoint} belongs to run {self.state.run_id!r}, "
                 f"not {ctx.run_id!r}"
             )
-        self.model, self.tokenizer = load_policy(ctx.checkpoint, cfg.model.dtype)
+        self.model, self.tokenizer = load_policy(ctx.checkpoint, trainer_dtype(cfg))
         self.backend = make_backend(self.model, cfg)
         if has_training_state(ctx.checkpoint, cfg.train.backend):
             self.backend.load(ctx.checkpoint)
@@ -123,7 +123,9 @@ class AsyncTrainer:
             self.backend.before_micro_batch = self._take_free_cores
         self.pool = ReadyPool(ctx, self.state.ready_cursor)
         self.media = resolver_for(cfg, self.model)
-        self.sender = make_sender(cfg, ctx.queue, specs_of(self.model.named_parameters()))
+        self.sender = make_sender(
+            cfg, ctx.queue, specs_of(self.model.named_parameters(), cfg.model.dtype)
+        )
         self.run_dir = join(cfg.checkpoint.dir, self.state.run_id)
         self._eval = None
         self._eval_copy = None
@@ -180,10 +182,12 @@ class AsyncTrainer:
             model.train()
 
     def _eval_model(self):
-        """The policy to evaluate: the trainer's own model with the torch backend; otherwise a
-        copy on this rank holding the backend's current weights (FSDP2 shards the model across
+        """The policy to evaluate: the trainer's own model with the torch backend in model.dtype;
+        otherwise a copy in model.dtype on this rank holding the backend's current weights (FSDP2 shards the model across
         ranks, Megatron keeps weights of its own), gathered from every rank."""
-        if self.cfg.train.backend == "torch":
+        if self.cfg.train.backend == "torch" and self.model.dtype == getattr(
+            torch, self.cfg.model.dtype
+        ):  # no float32 master weights: the model is what the engines hold
             return self.model
         from relax_core.models.policy import load_policy
 

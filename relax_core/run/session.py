@@ -25,7 +25,7 @@ from relax_core.run.prepare import local_policy
 from relax_core.storage import join, local_cache, local_dir_for
 from relax_core.sync.inprocess import InProcessSync
 from relax_core.train import checkpoint as ckpt
-from relax_core.train.factory import has_training_state, make_backend
+from relax_core.train.factory import has_training_state, make_backend, trainer_dtype
 from relax_core.train.queue_retention import prune_queue
 from relax_core.train.run_state import RunState, save_run_checkpoint
 
@@ -36,19 +36,21 @@ class RunSession:
         self.state = state
         if cfg.train.torch_threads:
             torch.set_num_threads(cfg.train.torch_threads)
-        self.model, self.tokenizer = load_policy(model_dir, cfg.model.dtype)
+        # Async mode trains in its own trainer service: this session evaluates and writes the
+        # first checkpoint, whatever backend that service uses.
+        self.backend_name = "torch" if cfg.mode == "async" else cfg.train.backend
+        # The trainer's parameters (float32 master weights); engine and reference hold copies
+        # in model.dtype.
+        self.model, self.tokenizer = load_policy(model_dir, trainer_dtype(cfg, self.backend_name))
         self.pad_token_id = self.tokenizer.pad_token_id
         self.run_dir = join(cfg.checkpoint.dir, state.run_id)
         """Where the run's checkpoints and reports go (a local directory or a URL)."""
         self.engine = self._engine(cfg, model_dir, state.policy_version)
-        # Async mode trains in its own trainer service: this session evaluates and writes the
-        # first checkpoint, whatever backend that service uses.
-        self.backend_name = "torch" if cfg.mode == "async" else cfg.train.backend
         self.backend = make_backend(self.model, cfg, self.backend_name)
         self.sync = InProcessSync([self.engine])
         self.ref_model = None
         if cfg.algorithm.kl_coef > 0:
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+            self.ref_model = self._copy_in_model_dtype().eval().requires_grad_(False)
         self.teacher_model = None
         if cfg.algorithm.distill_coef > 0:
             self.teacher_model, _ = load_teacher(
@@ -102,7 +104,7 @@ class RunSession:
 
             local_run = local_dir_for(self.run_dir, cfg.storage.scratch_dir)
             return start_colocated(cfg, model_dir, version, local_run)
-        engine_model = copy.deepcopy(self.model)
+        engine_model = self._copy_in_model_dtype()
         if cfg.train.routing_replay:  # the engine records the experts the trainer replays
             attach_routing_replay(engine_model)
         engine = TorchEngine(
@@ -110,6 +112,10 @@ class RunSession:
         )
         engine.version = version
         return engine
+
+    def _copy_in_model_dtype(self) -> torch.nn.Module:
+        """A copy of the policy in model.dtype (the trainer's may be float32 master weights)."""
+        return copy.deepcopy(self.model).to(getattr(torch, self.cfg.model.dtype))
 
     def _engine_rng(self) -> dict[str, str]:
         """The torch engine's sampling RNG (an SGLang server keeps its own)."""

@@ -75,9 +75,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def specs_of(named_tensors: NamedTensors) -> list[TensorSpec]:
-    """The layout of (name, tensor) pairs, in their order."""
-    return [TensorSpec(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in named_tensors]
+def specs_of(named_tensors: NamedTensors, dtype: str | None = None) -> list[TensorSpec]:
+    """The layout of (name, tensor) pairs, in their order; `dtype` (a torch dtype name) is the
+    one they are sent in when it is not their own (float32 master weights sent as bfloat16)."""
+    return [TensorSpec(n, tuple(t.shape), dtype or dtype_name(t.dtype)) for n, t in named_tensors]
 
 
 def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[Bucket]:

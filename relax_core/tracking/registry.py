@@ -27,8 +27,9 @@ from relax_core.config.checks import MODEL_URI
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 POLICY_ARTIFACT = "policy"
-_SKIP_FILES = {"optimizer.pt", "optim", "megatron"}
-"""Optimizer state (train/factory.py TRAINING_STATE) stays out of a registered policy."""
+_SKIP_FILES = {"optimizer.pt", "optim", "megatron", "master.safetensors"}
+"""Optimizer state and master weights (train/factory.py TRAINER_ONLY) stay out of a registered
+policy."""
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -9,6 +9,10 @@ import torch
 
 from relax_core.train.batch import MicroBatch
 
+MASTER_WEIGHTS_FILE = "master.safetensors"
+"""A checkpoint's float32 master weights when the policy beside them is saved in a narrower
+dtype (bf16): what a resumed trainer continues from, so a resume loses no update."""
+
 # (logprobs [B, R], entropy [B, R], micro-batch) -> (loss to backpropagate, scalar metrics)
 MicroBatchLoss = Callable[
     [torch.Tensor, torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]
@@ -27,7 +31,8 @@ class TrainBackend(Protocol):
         ...
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Current weights, for the weight-sync transports."""
+        """Current weights in the dtype the engines hold (`model.dtype`), for the weight-sync
+        transports."""
         ...
 
     def save(self, directory: str) -> None:

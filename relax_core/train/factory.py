@@ -5,6 +5,14 @@
 - megatron: Megatron-core (train/megatron/), converted from the HF policy, TP/EP per
   `train.parallel`.
 
+Mixed precision: the torch and fsdp backends hold the policy in float32 master weights (and so
+float32 gradients and AdamW state) whatever `model.dtype` is, and compute in `model.dtype`
+(autocast for torch, FSDP2's MixedPrecisionPolicy for fsdp). An AdamW step at an RL learning rate
+(~1e-6) is far below half a bfloat16 ulp of most weights: applied to bf16 parameters it rounds
+away. The engines receive `model.dtype` (the backend casts what it publishes); checkpoints hold
+the policy in `model.dtype` plus the float32 master weights beside the optimizer state (trainer
+only). Megatron keeps float32 main parameters in its own mixed-precision optimizer.
+
 fsdp and megatron run with the trainer's ranks in one process group: a trainer of one GPU forms
 it alone; over `services.trainer_gpus` > 1 GPUs the trainer runs under torchrun, one process per
 GPU (train/ranks.py: rank 0 leads, the others follow).
@@ -17,25 +25,35 @@ import os
 import torch
 
 from relax_core.config import RunConfig
+from relax_core.train.backend import MASTER_WEIGHTS_FILE
+
+MASTER_DTYPE = "float32"
+"""The dtype the torch and fsdp backends keep the policy's parameters in."""
+
+
+def trainer_dtype(cfg: RunConfig, backend: str | None = None) -> str:
+    """The dtype to load the policy in for `make_backend` (float32 master weights for torch and
+    fsdp; Megatron converts from `model.dtype` and keeps its own float32 main parameters)."""
+    return cfg.model.dtype if (backend or cfg.train.backend) == "megatron" else MASTER_DTYPE
 
 
 def make_backend(model, cfg: RunConfig, backend: str | None = None):
     """`backend` overrides train.backend ('torch' for a process that only evaluates and writes
-    a run's first checkpoint)."""
+    a run's first checkpoint). `model` is loaded in `trainer_dtype(cfg, backend)`."""
     from relax_core.train.torch_backend import build_backend
 
     t = cfg.train
+    compute = getattr(torch, cfg.model.dtype)
     if (backend or t.backend) == "torch":
         if torch.cuda.is_available():  # the trainer's GPU; log-probs come back to the CPU rows
             model.to("cuda")
-        return build_backend(model, t, cfg.rollout.temperature)
+        return build_backend(model, t, cfg.rollout.temperature, compute_dtype=compute)
     device = _trainer_group(cfg.services.trainer_gpus)
     if t.backend == "fsdp":
         from relax_core.train.fsdp import build_fsdp_backend
 
-        mixed = "bf16" if cfg.model.dtype == "bfloat16" else "none"
         return build_fsdp_backend(
-            model.to(device), t, cfg.rollout.temperature, device=device, mixed_precision=mixed
+            model.to(device), t, cfg.rollout.temperature, device=device, compute_dtype=compute
         )
     from relax_core.train.megatron.backend import build_megatron_backend
     from relax_core.train.megatron.config import MegatronParallel
@@ -61,6 +79,9 @@ def make_backend(model, cfg: RunConfig, backend: str | None = None):
 
 TRAINING_STATE = {"torch": "optimizer.pt", "fsdp": "optim", "megatron": "megatron"}
 """Where each backend keeps its optimizer state in a checkpoint (beside the HF policy)."""
+
+TRAINER_ONLY = (*TRAINING_STATE.values(), MASTER_WEIGHTS_FILE)
+"""What only a trainer reads back from a checkpoint: optimizer state and master weights."""
 
 
 def has_training_state(checkpoint: str, backend: str) -> bool:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -31,13 +32,18 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from relax_core.config import TrainConfig
-from relax_core.train.backend import MicroBatchLoss
+from relax_core.train.backend import MASTER_WEIGHTS_FILE, MicroBatchLoss
 from relax_core.train.batch import MicroBatch
-from relax_core.train.torch_backend import ResponseScorer, TorchBackend, build_backend
+from relax_core.train.torch_backend import (
+    ResponseScorer,
+    TorchBackend,
+    build_backend,
+    read_master_weights,
+    save_master_weights,
+)
 
 OPTIMIZER_DIR = "optim"
 OPTIMIZER_FILE = "optimizer.pt"
-MIXED_PRECISION = ("none", "bf16")
 _LAYER_LISTS = ("layers", "h", "blocks")
 
 
@@ -64,19 +70,16 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_policy(
-    model: PreTrainedModel, mesh_or_none: DeviceMesh | None, mixed_precision: str
+    model: PreTrainedModel, mesh_or_none: DeviceMesh | None, compute_dtype: torch.dtype | None
 ) -> ResponseScorer:
     """Shard `model` in place with FSDP2: each decoder layer, then the root (the returned scoring
-    module that holds `model`). 'bf16' computes in bfloat16 and reduces gradients in float32; the
-    sharded parameters (and so the optimizer and checkpoints) stay in the model's dtype."""
-    if mixed_precision not in MIXED_PRECISION:
-        raise ValueError(
-            f"mixed_precision must be one of {MIXED_PRECISION}, not {mixed_precision!r}"
-        )
+    module that holds `model`). A `compute_dtype` narrower than the parameters (bf16 over float32
+    master weights) is FSDP2's mixed precision: parameters all-gathered in it, gradients reduced
+    in float32; the sharded parameters (optimizer, master weights) stay in the model's dtype."""
     kwargs: dict = {"mesh": mesh_or_none, "reshard_after_forward": True}
-    if mixed_precision == "bf16":
+    if compute_dtype is not None and compute_dtype != next(model.parameters()).dtype:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            param_dtype=compute_dtype, reduce_dtype=torch.float32
         )
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
@@ -175,25 +178,33 @@ class FSDPBackend:
         return dict(zip(keys, values.tolist(), strict=True))
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full (unsharded) weights by HF name. Collective: each tensor is all-gathered, so every
-        rank must iterate to the end in step, though only rank 0 (the weight-sync sender) needs
-        the tensors."""
+        """Full (unsharded) weights by HF name, in the dtype engines hold. Collective: each
+        tensor is all-gathered, so every rank must iterate to the end in step, though only rank 0
+        (the weight-sync sender) needs the tensors."""
+        dtype = self.inner.weights_dtype
         for name, param in self.model.named_parameters():
-            yield name, _full(param.detach())
+            yield name, _full(param.detach()).to(dtype)
 
-    def _full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's full state dict on rank 0's CPU ({} elsewhere). Collective."""
-        out = {}
-        for name, tensor in self.model.state_dict().items():
+    def _full_state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(state dict in the engines' dtype, float32 master parameters when the model keeps
+        them) on rank 0's CPU, ({}, {}) elsewhere. Collective: one tensor gathered at a time."""
+        state, master = {}, {}
+        params = {id(p) for p in self.model.parameters()}  # tied parameters once, as named
+        keep = self.inner.keeps_master
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
             full = _full(tensor.detach())
             if self.rank == 0:
-                out[name] = full.cpu()
-        return out
+                state[name] = full.to("cpu", self.inner.weights_dtype)
+                if keep and id(tensor) in params:
+                    master[name] = full.cpu()
+                    params.discard(id(tensor))
+        return state, master
 
     def save(self, directory: str) -> None:
-        """Rank 0 writes the HF model (safetensors, as any checkpoint) and the full optimizer
-        state (tensors keyed by parameter name; `optim/optimizer.pt`). Collective."""
-        state = self._full_state_dict()
+        """Rank 0 writes the HF model (safetensors, as any checkpoint, in the engines' dtype),
+        the full optimizer state (tensors keyed by parameter name; `optim/optimizer.pt`) and
+        float32 master weights when kept (`optim/master.safetensors`). Collective."""
+        state, master = self._full_state_dict()
         optim = get_optimizer_state_dict(
             self.root,
             self.inner.optimizer,
@@ -203,15 +214,32 @@ class FSDPBackend:
             self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
             os.makedirs(os.path.join(directory, OPTIMIZER_DIR), exist_ok=True)
             torch.save(optim, os.path.join(directory, OPTIMIZER_DIR, OPTIMIZER_FILE))
+            if master:
+                save_master_weights(iter(master.items()), os.path.join(directory, OPTIMIZER_DIR))
         dist.barrier(group=self.group)
 
     def load(self, directory: str) -> None:
-        """Restore the optimizer state (rank 0 reads, then it is scattered to the shards); the
-        model weights are loaded by whoever built the model, as for `TorchBackend`. Collective."""
+        """Restore the optimizer state and master weights (rank 0 reads, then they are
+        scattered to the shards); the model was built from the policy by whoever built it, as
+        for `TorchBackend`. Collective."""
         optim: dict = {}
+        master: dict[str, torch.Tensor] = {}
         if self.rank == 0:
             path = os.path.join(directory, OPTIMIZER_DIR, OPTIMIZER_FILE)
             optim = torch.load(path, map_location="cpu", weights_only=True)
+        if self.inner.keeps_master:
+            if self.rank == 0:
+                master = read_master_weights(
+                    os.path.join(directory, OPTIMIZER_DIR, MASTER_WEIGHTS_FILE),
+                    [n for n, _ in self.model.named_parameters()],
+                )
+            set_model_state_dict(  # the sharded root holds the policy as `model`
+                self.root,
+                {f"model.{name}": tensor for name, tensor in master.items()},
+                options=StateDictOptions(
+                    full_state_dict=True, broadcast_from_rank0=True, strict=False
+                ),
+            )
         set_optimizer_state_dict(
             self.root,
             self.inner.optimizer,
@@ -226,16 +254,19 @@ def build_fsdp_backend(
     temperature: float,
     mesh: DeviceMesh | None = None,
     device: torch.device | str = "cpu",
-    mixed_precision: str = "none",
+    compute_dtype: torch.dtype | None = None,
 ) -> FSDPBackend:
     """The trainer's FSDP2 backend for `model` under the run's `train` settings. Call on every
     rank after `init_process_group` (and `torch.cuda.set_device(local_rank)` on GPU), with the
     same unsharded `model` on each (e.g. loaded from the same checkpoint); `device` is this
-    rank's ('cuda:<local_rank>' or 'cpu'); `mesh` defaults to all ranks of the default group."""
+    rank's ('cuda:<local_rank>' or 'cpu'); `mesh` defaults to all ranks of the default group;
+    `compute_dtype` narrower than `model`'s float32 makes it master weights (mixed precision)."""
     device = torch.device(device)
     if mesh is None:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    root = shard_policy(model, mesh, mixed_precision)
-    inner = build_backend(model, train, temperature)  # AdamW over the sharded parameters
+    root = shard_policy(model, mesh, compute_dtype)
+    # AdamW over the sharded parameters; FSDP2 (not autocast) computes in compute_dtype
+    inner = build_backend(model, train, temperature)
+    inner.weights_dtype = compute_dtype or inner.weights_dtype
     inner.scorer = root
     return FSDPBackend(inner, mesh, device)

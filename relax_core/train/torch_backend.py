@@ -5,6 +5,10 @@ LM head (the widest matmul for real vocabularies) sees just the hidden states th
 tokens. Logits are divided by the rollout temperature so the trainer scores the distribution the
 engine sampled from. A micro-batch with `routed_experts` runs with the policy's routers replaying
 them (models/routing_replay.py).
+
+Mixed precision: the model's parameters are the float32 master weights (AdamW and its state in
+float32); with a `compute_dtype` (bf16) the forward runs under autocast and `named_weights` and the
+saved policy are cast to it, the float32 weights saved beside the optimizer state.
 """
 
 from __future__ import annotations
@@ -14,12 +18,13 @@ import os
 from collections.abc import Callable, Iterator
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, PreTrainedModel
 
 from relax_core.config import TrainConfig
 from relax_core.models.routing_replay import attach_routing_replay, routing_of
 from relax_core.multimodal.protocol import MultimodalDecoder
-from relax_core.train.backend import MicroBatchLoss
+from relax_core.train.backend import MASTER_WEIGHTS_FILE, MicroBatchLoss
 from relax_core.train.batch import MicroBatch
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -146,8 +151,14 @@ class TorchBackend:
         warmup_steps: int = 0,
         lr_scale: Callable[[str], float] | None = None,
         scorer: torch.nn.Module | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model.train()
+        master = next(model.parameters()).dtype
+        self.weights_dtype = compute_dtype or master
+        """The dtype engines receive and the saved policy is in (`model.dtype`)."""
+        self.autocast = compute_dtype if compute_dtype not in (None, master) else None
+        """The dtype the forward computes in when it is not the parameters' own."""
         self.lr = lr
         self.warmup_steps = warmup_steps
         self.grad_clip = grad_clip
@@ -161,7 +172,10 @@ class TorchBackend:
         """Runs `response_logprobs` over `model` (a sharded backend passes its sharded root)."""
 
     def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.scorer(mb, self.temperature)
+        if self.autocast is None:
+            return self.scorer(mb, self.temperature)
+        with torch.autocast(self.device.type, dtype=self.autocast):
+            return self.scorer(mb, self.temperature)
 
     @property
     def device(self) -> torch.device:
@@ -224,23 +238,77 @@ class TorchBackend:
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr * scale * group["lr_scale"]
 
+    @property
+    def keeps_master(self) -> bool:
+        """Whether the parameters are wider than what engines receive (float32 master weights)."""
+        return self.weights_dtype != next(self.model.parameters()).dtype
+
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self.model.named_parameters():
-            yield name, param.detach()
+            yield name, param.detach().to(self.weights_dtype)
 
     def save(self, directory: str) -> None:
-        self.model.save_pretrained(directory, safe_serialization=True)
+        """The policy in `weights_dtype` (safetensors, what engines and evaluation load), the
+        optimizer state and, with master weights, those in float32."""
+        if self.keeps_master:
+            state = {k: v.to(self.weights_dtype) for k, v in self.model.state_dict().items()}
+            self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+            save_master_weights(self.model.named_parameters(), directory)
+        else:
+            self.model.save_pretrained(directory, safe_serialization=True)
         torch.save(self.optimizer.state_dict(), os.path.join(directory, OPTIMIZER_FILE))
 
     def load(self, directory: str) -> None:
-        """Restore optimizer state; the model weights are loaded by whoever built the model."""
+        """Restore optimizer state and master weights; the model was built from the policy (in
+        `weights_dtype`) by whoever built it."""
         path = os.path.join(directory, OPTIMIZER_FILE)
         state = torch.load(path, map_location="cpu", weights_only=True)
         self.optimizer.load_state_dict(state)
+        if self.keeps_master:
+            load_master_weights(self.model, os.path.join(directory, MASTER_WEIGHTS_FILE))
 
 
-def build_backend(model: PreTrainedModel, train: TrainConfig, temperature: float) -> TorchBackend:
-    """The trainer's backend for `model` under the run's `train` settings."""
+def save_master_weights(named_params: Iterator[tuple[str, torch.Tensor]], directory: str) -> None:
+    """Float32 weights by parameter name (tied parameters once) into MASTER_WEIGHTS_FILE."""
+    tensors = {n: p.detach().to("cpu", torch.float32).contiguous() for n, p in named_params}
+    save_file(tensors, os.path.join(directory, MASTER_WEIGHTS_FILE))
+
+
+def read_master_weights(path: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """The float32 master weights at `path`, which must hold exactly the parameters `names` (a
+    checkpoint saved without them cannot resume without losing precision)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} missing: the checkpoint has optimizer state but no float32 master weights "
+            "(saved by a trainer whose parameters were in model.dtype); resume it with "
+            "model.dtype float32 or from a checkpoint written with master weights"
+        )
+    saved = load_file(path)
+    if set(saved) != set(names):
+        raise ValueError(
+            f"{path} does not match the policy: missing {sorted(set(names) - set(saved))[:3]}, "
+            f"unexpected {sorted(set(saved) - set(names))[:3]}"
+        )
+    return saved
+
+
+def load_master_weights(model: torch.nn.Module, path: str) -> None:
+    """Copy the master weights at `path` into `model`'s parameters."""
+    params = dict(model.named_parameters())
+    saved = read_master_weights(path, list(params))
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(saved[name])
+
+
+def build_backend(
+    model: PreTrainedModel,
+    train: TrainConfig,
+    temperature: float,
+    compute_dtype: torch.dtype | None = None,
+) -> TorchBackend:
+    """The trainer's backend for `model` (float32 master weights when `compute_dtype` is
+    narrower) under the run's `train` settings."""
     if train.routing_replay:
         attach_routing_replay(model)
     encoders = getattr(model, "is_encoder_parameter", None)
@@ -255,4 +323,5 @@ def build_backend(model: PreTrainedModel, train: TrainConfig, temperature: float
         temperature,
         train.warmup_steps,
         lr_scale=scale,
+        compute_dtype=compute_dtype,
     )

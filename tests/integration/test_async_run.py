@@ -93,6 +93,34 @@ def test_async_at_staleness_zero_trains_exactly_what_colocate_trains(small_confi
     assert _metrics(workdir, state["tracking_run_id"], "train/staleness_max") == [0.0] * 6
 
 
+def test_a_bf16_policy_trains_on_float32_master_weights_in_both_modes(small_config, workdir):
+    from relax_core.train.backend import MASTER_WEIGHTS_FILE
+
+    train = {"total_steps": 4, "checkpoint_every": 2, "lr": 1e-5}
+    # The entropy bonus gives every step a gradient, whatever rewards this tiny policy earns.
+    bf16 = {"model": {"dtype": "bfloat16"}, "algorithm": {"entropy_coef": 0.01}}
+    _finish(_run(small_config("c.yaml", run_name="c", train=train, **bf16)))
+    _finish(_run(small_config("a.yaml", run_name="a", train=train, **bf16, **ASYNC)))
+
+    c_ckpt, a_ckpt = _final(workdir, "c"), _final(workdir, "a")
+    assert read_state(a_ckpt)["policy_version"] == 4
+    for ckpt in (c_ckpt, a_ckpt):
+        policy = load_file(os.path.join(ckpt, "model.safetensors"))
+        master = load_file(os.path.join(ckpt, MASTER_WEIGHTS_FILE))
+        assert {t.dtype for t in policy.values()} == {torch.bfloat16}
+        assert {t.dtype for t in master.values()} == {torch.float32}
+        # Updates at this learning rate mostly hide below a bf16 rounding: the float32 master
+        # holds them, and the policy engines receive is the master rounded.
+        assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in master.values())
+        for name, weight in master.items():
+            assert torch.equal(policy[name], weight.to(torch.bfloat16)), name
+    # Strict on-policy async (gloo weight sync in bf16) trains what colocate trains.
+    c_master = load_file(os.path.join(c_ckpt, MASTER_WEIGHTS_FILE))
+    a_master = load_file(os.path.join(a_ckpt, MASTER_WEIGHTS_FILE))
+    for name, weight in c_master.items():
+        torch.testing.assert_close(a_master[name], weight, rtol=0, atol=1e-6)
+
+
 def test_a_delayed_trainer_holds_rollout_at_the_staleness_bound(small_config, workdir):
     k, g = 2, 4
     cfg = small_config(

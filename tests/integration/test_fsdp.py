@@ -72,8 +72,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, port: int, out: str, resume: bool) -> None:
-    """One FSDP rank: steps 1 and 2 (saving after step 1), or step 2 resumed from that save."""
+def _rank_main(rank: int, port: int, out: str, resume: bool, bf16: bool = False) -> None:
+    """One FSDP rank: steps 1 and 2 (saving after step 1), or step 2 resumed from that save;
+    `bf16`: a bf16 policy on float32 master weights (FSDP2 mixed precision)."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -88,7 +89,12 @@ def _rank_main(rank: int, port: int, out: str, resume: bool) -> None:
             model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
         else:
             model = build_tiny_qwen3(SMALL, VOCAB, seed=0)
-        backend = build_fsdp_backend(model, TRAIN, temperature=0.9)
+            if bf16:  # parameters as loaded from a bf16 policy (buffers stay float32)
+                with torch.no_grad():
+                    for param in model.parameters():
+                        param.copy_(param.to(torch.bfloat16))
+        compute = torch.bfloat16 if bf16 else None
+        backend = build_fsdp_backend(model, TRAIN, temperature=0.9, compute_dtype=compute)
         if resume:
             backend.load(ckpt)
         metrics = {}
@@ -115,10 +121,10 @@ def _rank_main(rank: int, port: int, out: str, resume: bool) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(out: str, resume: bool) -> None:
+def _spawn(out: str, resume: bool, bf16: bool = False) -> None:
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank_main, args=(_free_port(), out, resume), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(_free_port(), out, resume, bf16), nprocs=2, join=True)
 
 
 @pytest.mark.slow
@@ -165,6 +171,34 @@ def test_fsdp_two_ranks_match_one_process_and_resume(tmp_path):
         torch.testing.assert_close(resumed[name], fsdp[name], rtol=0, atol=0)
     with open(os.path.join(out, "resumed.json")) as f:
         assert json.load(f)["2"] == pytest.approx(fsdp_metrics["2"], rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_fsdp_bf16_policy_keeps_float32_master_weights_across_a_resume(tmp_path):
+    from relax_core.train.backend import MASTER_WEIGHTS_FILE
+    from relax_core.train.fsdp import OPTIMIZER_DIR
+
+    out = str(tmp_path)
+    _spawn(out, resume=False, bf16=True)
+    _spawn(out, resume=True, bf16=True)
+
+    # The policy engines and evaluation load is bf16; the master weights travel beside the
+    # optimizer state in float32 and differ from it by less than a bf16 rounding.
+    policy = load_file(os.path.join(out, "ckpt", "model.safetensors"))
+    master = load_file(os.path.join(out, "ckpt", OPTIMIZER_DIR, MASTER_WEIGHTS_FILE))
+    assert {t.dtype for t in policy.values()} == {torch.bfloat16}
+    assert {t.dtype for t in master.values()} == {torch.float32}
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in master.values())
+    for name, weight in master.items():
+        assert torch.equal(policy[name], weight.to(torch.bfloat16)), name
+
+    fsdp = load_file(os.path.join(out, "fsdp.safetensors"))
+    resumed = load_file(os.path.join(out, "resumed.safetensors"))
+    assert {t.dtype for t in fsdp.values()} == {torch.bfloat16}  # what the engines receive
+    for name, weight in fsdp.items():
+        # The resumed step started from the float32 master, not the bf16 policy: identical.
+        torch.testing.assert_close(resumed[name], weight, rtol=0, atol=0)
 
 
 def test_layer_finder_names_a_model_without_decoder_layers():
