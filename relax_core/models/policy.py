@@ -38,6 +38,14 @@ def load_policy(directory: str, dtype: str = "float32", video_fps: float = 2.0):
     return model, tokenizer
 
 
+def on_accelerator(model):
+    """`model` moved to this process's GPU when it has one (the placement plan's
+    CUDA_VISIBLE_DEVICES says which; every process sees its own as cuda:0), else as it is."""
+    if torch.cuda.is_available():
+        return model.to("cuda")
+    return model
+
+
 def _is_qwen_multimodal(directory: str) -> bool:
     from relax_core.multimodal.qwen.families import family_for_model_type
 

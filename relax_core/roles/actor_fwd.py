@@ -14,7 +14,7 @@ from relax_core.roles.reference import add_ref_logprobs
 
 
 def serve(ctx) -> None:
-    from relax_core.models.policy import load_policy
+    from relax_core.models.policy import load_policy, on_accelerator
     from relax_core.pool.weights import make_receiver
     from relax_core.roles.media import resolver_for
     from relax_core.roles.service import serve_stage, set_threads
@@ -25,7 +25,7 @@ def serve(ctx) -> None:
     cfg = ctx.cfg
     set_threads(cfg.services.rollout_threads)
     model, tokenizer = load_policy(ctx.checkpoint, cfg.model.dtype)
-    model.eval().requires_grad_(False)
+    model = on_accelerator(model.eval().requires_grad_(False))
     if cfg.train.routing_replay:  # the proximal policy routes as the trainer will
         from relax_core.models.routing_replay import attach_routing_replay
 

@@ -32,8 +32,9 @@ def add_ref_logprobs(
     batches = table_micro_batches(
         table, pad_token_id, token_budget, resolver=resolver, routed_experts=routed_experts
     )
+    device = next(model.parameters()).device
     for rows, mb in batches:
-        logprobs, _ = response_logprobs(model, mb, temperature)
+        logprobs, _ = response_logprobs(model, mb.to(device), temperature)
         for j, i in enumerate(rows):
             out[i] = logprobs[j, : lengths[i]].tolist()
     return with_columns(table, **{column: out})
@@ -42,7 +43,12 @@ def add_ref_logprobs(
 def serve(ctx) -> None:
     """The reference service: `rollout` entries -> `ref` with ref_logprobs (KL anchor: the
     run's starting policy) and/or teacher_logprobs (distillation)."""
-    from relax_core.models.policy import PREPARED_MARKER, load_policy, load_teacher
+    from relax_core.models.policy import (
+        PREPARED_MARKER,
+        load_policy,
+        load_teacher,
+        on_accelerator,
+    )
     from relax_core.roles.media import resolver_for
     from relax_core.roles.service import serve_stage, set_threads
     from relax_core.storage import local_copy
@@ -59,10 +65,10 @@ def serve(ctx) -> None:
     model, tokenizer = load_policy(start_policy, cfg.model.dtype)
     frozen = []
     if cfg.algorithm.kl_coef > 0:
-        frozen.append((model.eval().requires_grad_(False), "ref_logprobs"))
+        frozen.append((on_accelerator(model.eval().requires_grad_(False)), "ref_logprobs"))
     if cfg.algorithm.distill_coef > 0:
         teacher, _ = load_teacher(cfg.algorithm.teacher, tokenizer, cfg.model.dtype)
-        frozen.append((teacher, "teacher_logprobs"))
+        frozen.append((on_accelerator(teacher), "teacher_logprobs"))
     # One resolver per model for the life of the role: its cache spans tables.
     frozen = [(m, column, resolver_for(cfg, m)) for m, column in frozen]
 

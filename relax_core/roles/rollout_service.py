@@ -191,7 +191,7 @@ _DRAIN_CHECK_S = 0.5
 
 def _local_engine(ctx, state: dict[str, Any]):
     """A torch engine on the checkpoint's policy, fed by the trainer's weight transport."""
-    from relax_core.models.policy import load_policy
+    from relax_core.models.policy import load_policy, on_accelerator
     from relax_core.pool.engine_weights import LocalWeights
     from relax_core.pool.weights import make_receiver
     from relax_core.rollout.torch_engine import TorchEngine
@@ -199,6 +199,7 @@ def _local_engine(ctx, state: dict[str, Any]):
 
     cfg = ctx.cfg
     model, tokenizer = load_policy(ctx.checkpoint, cfg.model.dtype)
+    model = on_accelerator(model)
     if cfg.train.routing_replay:  # the engine records the experts the trainer replays
         from relax_core.models.routing_replay import attach_routing_replay
 

@@ -14,7 +14,7 @@ import torch
 
 from relax_core.config import RunConfig
 from relax_core.data.cursor import DatasetCursor
-from relax_core.models.policy import load_policy, load_teacher
+from relax_core.models.policy import load_policy, load_teacher, on_accelerator
 from relax_core.models.routing_replay import attach_routing_replay
 from relax_core.queue import open_queue
 from relax_core.rewards.registry import build_reward
@@ -50,12 +50,14 @@ class RunSession:
         self.sync = InProcessSync([self.engine])
         self.ref_model = None
         if cfg.algorithm.kl_coef > 0:
-            self.ref_model = self._copy_in_model_dtype().eval().requires_grad_(False)
+            self.ref_model = on_accelerator(self._copy_in_model_dtype()).eval()
+            self.ref_model.requires_grad_(False)
         self.teacher_model = None
         if cfg.algorithm.distill_coef > 0:
             self.teacher_model, _ = load_teacher(
                 cfg.algorithm.teacher, self.tokenizer, cfg.model.dtype
             )
+            self.teacher_model = on_accelerator(self.teacher_model)
         # A GenRM judge shares the prepared-policy cache, so a SmolLM2 policy and judge convert
         # the GGUF weights once.
         self.reward_fn = build_reward(
@@ -94,7 +96,7 @@ class RunSession:
             # The KL anchor is the starting policy, not the checkpoint being resumed.
             start = local_policy(state.policy_dir, options, scratch)
             session.ref_model, _ = load_policy(start, cfg.model.dtype)
-            session.ref_model.eval().requires_grad_(False)
+            session.ref_model = on_accelerator(session.ref_model).eval().requires_grad_(False)
         session._restore_rng()
         return session
 
@@ -104,7 +106,7 @@ class RunSession:
 
             local_run = local_dir_for(self.run_dir, cfg.storage.scratch_dir)
             return start_colocated(cfg, model_dir, version, local_run)
-        engine_model = self._copy_in_model_dtype()
+        engine_model = on_accelerator(self._copy_in_model_dtype())
         if cfg.train.routing_replay:  # the engine records the experts the trainer replays
             attach_routing_replay(engine_model)
         engine = TorchEngine(
