@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# GPU bring-up kit, one command on a bare GPU machine:
+#
+#   scripts/gpu_check.sh [--size 0.6b|1.7b] [bench/gpu_check.py options]
+#
+# Needs a Python (python3, or $PYTHON) with CUDA torch and transformers. What else the GPU
+# path imports and that machine lacks travels as wheels in .whl/ (megatron-core for Python
+# 3.12: see docs/gpus.md, "GPU bring-up kit"); they are installed into /tmp/relax-site, not
+# into that Python. Runs bench/gpu_check.py (peak, torch, fsdp, engine, megatron, nccl), then
+# the gpu-marked tests unless GPU_CHECK_TESTS=0. Output also goes to $GPU_CHECK_OUT (default
+# gpu-check/) as gpu_check.log, gpu_check.json and gpu_tests.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT_DIR=${GPU_CHECK_OUT:-gpu-check}
+mkdir -p "$OUT_DIR"
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/relax-site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/relax-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export MLFLOW_DISABLE_TELEMETRY=true HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+"$PY" - <<'PY'
+import importlib, platform, torch
+print(f"python {platform.python_version()}, torch {torch.__version__}, cuda {torch.version.cuda}, "
+      f"GPUs {torch.cuda.device_count()}: {[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}")
+for name in ("transformers", "safetensors", "pyarrow", "yaml", "fsspec", "megatron.core", "sglang"):
+    try:
+        mod = importlib.import_module(name)
+        print(f"  {name} {getattr(mod, '__version__', '')}")
+    except Exception as err:
+        print(f"  {name}: missing ({type(err).__name__})")
+PY
+
+"$PY" -m bench.gpu_check --json "$OUT_DIR/gpu_check.json" "$@" 2>&1 | tee "$OUT_DIR/gpu_check.log"
+status=${PIPESTATUS[0]}
+
+if [ "${GPU_CHECK_TESTS:-1}" = 1 ]; then
+  "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rs 2>&1 | tee "$OUT_DIR/gpu_tests.log"
+  tests=${PIPESTATUS[0]}
+  [ "$tests" = 0 ] || [ "$tests" = 5 ] || status=1  # 5: nothing collected
+fi
+exit "$status"

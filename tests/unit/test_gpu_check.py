@@ -1,0 +1,51 @@
+"""The GPU bring-up kit (bench/gpu_check.py) stays runnable between GPU sessions: its parts run
+the same code on the CPU with a tiny Qwen3 shape, and its FLOP count is the hand count."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_flop_count_of_a_qwen3_forward_by_hand():
+    from bench.gpu_parts import SHAPES, forward_flops
+
+    s = SHAPES["tiny"]  # hidden 64, 4 heads x 16, 2 kv heads, mlp 128, 2 layers, vocab 512
+    # per token per layer: q 64x64 + k,v 64x32 each + o 64x64 + mlp 3x64x128 = 36864 MACs
+    # decoder 2 x 36864 x 10 tokens x 2 layers; attention 2 x 10^2 x 64 x 2 layers;
+    # LM head 2 x 64 x 512 x 4 scored tokens
+    assert forward_flops(s, seq=10, response=4) == 2 * 36864 * 10 * 2 + 2 * 100 * 64 * 2 + (
+        2 * 64 * 512 * 4
+    )
+
+
+@pytest.mark.slow
+def test_the_kit_runs_every_part_on_the_cpu(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    args = "--size tiny --steps 2 --seqs 4 --micro 2 --prompt 8 --response 8"
+    args += " --gen-batch 4 --gen-tokens 8 --parts peak,torch,fsdp,engine,nccl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check", *args.split(), "--json", str(out)],
+        cwd=REPO,
+        env={**os.environ, "GPU_CHECK_DEVICE": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("headline: gpu_check_torch_mfu = ")
+    results = json.loads(out.read_text())["results"]
+    assert {name: r["status"] for name, r in results.items()} == dict.fromkeys(results, "ok")
+    for backend in ("torch", "fsdp"):
+        r = results[backend]
+        assert r["weights_dtype"] == "torch.bfloat16"  # what engines receive
+        assert r["bf16_weights_changed"] > 0.01  # lr 1e-6 reaches them through the master
+        assert 0 < r["mfu"] < 1 and r["tokens_per_s"] > 0
+    assert results["engine"]["tokens_per_s"] > 0
+    assert results["nccl"]["receiver"]["versions_received"] == 4  # warm-up + 3 timed pushes
