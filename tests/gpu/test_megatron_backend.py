@@ -1,9 +1,11 @@
 """MegatronBackend on one GPU (tp=1): log-probs match the HF model, a step lowers the loss, the
-HF names it hands the weight sync are the HF weights, and a checkpoint restores them."""
+HF names it hands the weight sync are the HF weights (announced beforehand by weight_layout), a
+backend loads from a policy directory, and a checkpoint restores the weights."""
 
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +14,10 @@ pytest.importorskip("megatron.core")
 
 from relax_core.net import free_port  # noqa: E402
 from relax_core.train.batch import make_micro_batch  # noqa: E402
-from relax_core.train.megatron.backend import MegatronBackend  # noqa: E402
+from relax_core.train.megatron.backend import (  # noqa: E402
+    MegatronBackend,
+    build_megatron_backend,
+)
 from relax_core.train.megatron.config import MegatronParallel  # noqa: E402
 from relax_core.train.torch_backend import response_logprobs  # noqa: E402
 from tests.unit.test_megatron_convert import dense  # noqa: E402
@@ -61,6 +66,29 @@ def test_logprobs_match_hf(setup):
 def test_named_weights_are_the_hf_weights(setup):
     _, hf_state, backend = setup
     named = {n: t.cpu() for n, t in backend.named_weights()}
+    assert named.keys() == hf_state.keys()
+    for name, tensor in hf_state.items():
+        assert torch.equal(named[name], tensor), name
+
+
+def test_weight_layout_announces_what_named_weights_yields(setup):
+    _, _, backend = setup
+    announced = list(backend.weight_layout())
+    assert all(t.device.type == "meta" for _, t in announced)
+    yielded = [(n, t.shape, t.dtype) for n, t in backend.named_weights()]
+    assert [(n, t.shape, t.dtype) for n, t in announced] == yielded
+
+
+def test_a_backend_loads_from_a_policy_directory(setup, tmp_path):
+    from transformers import Qwen3ForCausalLM
+
+    config, hf_state, _ = setup
+    model = Qwen3ForCausalLM(config)
+    model.load_state_dict(hf_state)
+    model.save_pretrained(str(tmp_path))
+    train = SimpleNamespace(lr=1e-3, weight_decay=0.0, grad_clip=1.0, warmup_steps=0)
+    loaded = build_megatron_backend(str(tmp_path), train, 1.0, MegatronParallel(), "float32")
+    named = {n: t.cpu() for n, t in loaded.named_weights()}
     assert named.keys() == hf_state.keys()
     for name, tensor in hf_state.items():
         assert torch.equal(named[name], tensor), name

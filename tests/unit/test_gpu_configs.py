@@ -46,7 +46,7 @@ def test_the_moe_config_replays_routes_on_megatron():
     cfg = _cfg("qwen3-30b-a3b-moe-r3")
     assert cfg.train.routing_replay and cfg.train.backend == "megatron"
     p = cfg.train.parallel
-    assert (p.tensor, p.expert, p.pipeline, p.context) == (2, 8, 1, 1)
+    assert (p.tensor, p.expert, p.pipeline, p.context) == (1, 8, 1, 1)
     assert cfg.services.trainer_gpus % (p.tensor * p.pipeline * p.context) == 0
 
 
@@ -72,6 +72,19 @@ def test_the_moe_config_replays_routes_on_megatron():
                 "services": {"weight_sync": "object_store"},
             },
             "services.weight_sync: 'object_store' with rollout.engine 'sglang'",
+        ),
+        ({"train": {"moe_aux_loss_coef": -0.1}}, "train.moe_aux_loss_coef: must be >= 0"),
+        (
+            {
+                "model": {"kind": "tiny-qwen3", "num_experts": 4, "experts_per_token": 2},
+                "train": {
+                    "backend": "megatron",
+                    "routing_replay": True,
+                    "parallel": {"tensor": 2},
+                },
+                "services": {"trainer_gpus": 2},
+            },
+            "train.parallel.tensor: 2 with an MoE policy needs sequence parallel",
         ),
         ({"train": {"backend": "deepspeed"}}, "train.backend: 'deepspeed' is not one of"),
         (

@@ -1,12 +1,14 @@
 """Megatron-core train backend: the TrainBackend protocol over a tensor/expert-parallel GPTModel.
 
 Parts: `model` builds the process groups, GPTModel (TransformerEngine layer spec when installed,
-else the local spec), DDP and the (distributed) Adam optimizer; `weights` loads HF weights as
-per-rank shards and gathers them back; `convert` maps Megatron <-> HF names; `logprobs` turns
-vocab-parallel logits into log-probs and entropy; `replay` routes each micro-batch's MoE tokens
-to the experts its rows recorded (routing_replay). One process per GPU (torchrun); every rank
-calls every method in the same order, each data-parallel rank with its own micro-batches
-(gradients are averaged over data-parallel ranks, so `loss_fn` normalizes per rank).
+else the local spec; `config.fit_to_layer_spec` turns sequence parallel off on the local spec),
+DDP and the (distributed) Adam optimizer; `checkpoint` reads HF tensors lazily and `weights`
+loads each rank's shards from them and streams full tensors back to rank 0; `convert` maps
+Megatron -> HF names; `data_parallel` splits a step's micro-batches over data-parallel ranks;
+`logprobs` turns vocab-parallel logits into log-probs and entropy; `replay` routes each
+micro-batch's MoE tokens to the experts its rows recorded (routing_replay). One process per GPU
+(torchrun); every rank calls every method in the same order with the same micro-batches, and
+data-parallel rank r runs micro-batches r, r + W, ... of them (gradients summed over ranks).
 
 Limits: pipeline parallel (pp) and context parallel (cp) must be 1 (NotImplementedError otherwise);
 the LM head runs over all positions (the torch backend runs it only at response positions).
@@ -16,9 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -26,8 +29,16 @@ import torch
 
 from relax_core.train.backend import MicroBatchLoss
 from relax_core.train.batch import MicroBatch
-from relax_core.train.megatron.config import MegatronParallel
+from relax_core.train.megatron.assemble import ReadHF
+from relax_core.train.megatron.checkpoint import SafetensorsCheckpoint, state_reader
+from relax_core.train.megatron.config import MegatronParallel, fit_to_layer_spec
 from relax_core.train.megatron.convert import megatron_to_hf_named
+from relax_core.train.megatron.data_parallel import (
+    broadcast_owned,
+    dp_share,
+    sum_over_group,
+    zero_weighted,
+)
 from relax_core.train.megatron.logprobs import vocab_parallel_logprobs
 from relax_core.train.megatron.model import (
     build_gpt,
@@ -43,7 +54,14 @@ from relax_core.train.megatron.replay import (
     router_replays,
     router_topk_indices,
 )
-from relax_core.train.megatron.weights import gathered_megatron, load_hf_into, write_safetensors
+from relax_core.train.megatron.weights import (
+    full_param_layout,
+    load_into,
+    stream_full_params,
+    write_safetensors,
+)
+
+log = logging.getLogger(__name__)
 
 DIST_CHECKPOINT_DIR = "megatron"
 """Subdirectory of a checkpoint holding the sharded (dist_checkpointing) model and optimizer."""
@@ -53,7 +71,7 @@ class MegatronBackend:
     def __init__(
         self,
         hf_config: Any,
-        hf_state: dict[str, torch.Tensor],
+        weights: Mapping[str, torch.Tensor] | ReadHF,
         parallel: MegatronParallel,
         lr: float,
         weight_decay: float = 0.0,
@@ -65,7 +83,11 @@ class MegatronBackend:
         max_sequence_length: int | None = None,
         seed: int = 0,
         routing_replay: bool = False,
+        moe_aux_loss_coeff: float = 0.0,
     ) -> None:
+        """`weights`: an HF state dict, or a reader of HF tensors by name (checkpoint.py) from
+        which each rank reads only what its shards are made of. `moe_aux_loss_coeff`: the MoE
+        router's load-balancing loss, 0 for RL (config.transformer_config_kwargs says why)."""
         for field, size in (("pp", parallel.pp), ("cp", parallel.cp)):
             if size != 1:
                 raise NotImplementedError(
@@ -73,10 +95,13 @@ class MegatronBackend:
                     f"{field}=1 (use tp/ep to split the model)"
                 )
         parallel.check_model(hf_config)
+        self.spec = resolve_spec(spec)
+        parallel, note = fit_to_layer_spec(parallel, self.spec, hf_config)
+        if note:
+            log.warning(note)
         init_parallel(parallel, seed)
         self.hf_config = hf_config
         self.parallel = parallel
-        self.spec = resolve_spec(spec)
         self.lr, self.warmup_steps, self.temperature = lr, warmup_steps, temperature
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.routing_replay = routing_replay
@@ -88,22 +113,38 @@ class MegatronBackend:
             self.spec,
             max_sequence_length,
             routing_replay=routing_replay,
+            moe_aux_loss_coeff=moe_aux_loss_coeff,
         )
-        self._replays = router_replays(self.model) if routing_replay else []
-        if routing_replay:
-            check_no_recompute(config)
-            moe_layers = sum(Dims.from_hf(hf_config).moe_layers)
-            if len(self._replays) != moe_layers:
-                raise RuntimeError(
-                    f"routing replay: GPTModel has {len(self._replays)} router replays for "
-                    f"{moe_layers} MoE layers"
-                )
+        self._replays = self._router_replays(config) if routing_replay else []
         self.model.to(self.device)
-        load_hf_into(self.model, hf_state, hf_config, self.spec)
+        read = weights if callable(weights) else state_reader(weights)
+        load_into(self.model, read, hf_config, self.spec)
         self.ddp = wrap_ddp(self.model, config, parallel)
         self.optimizer = build_optimizer(self.ddp, lr, weight_decay, grad_clip, dtype, parallel)
         self.steps = 0
         """Optimizer steps taken (drives the warmup; saved in checkpoints)."""
+
+    def _router_replays(self, config: Any) -> list[Any]:
+        """The model's RouterReplay per MoE layer, checked against the HF config."""
+        check_no_recompute(config)
+        replays = router_replays(self.model)
+        moe_layers = sum(Dims.from_hf(self.hf_config).moe_layers)
+        if len(replays) != moe_layers:
+            raise RuntimeError(
+                f"routing replay: GPTModel has {len(replays)} router replays for "
+                f"{moe_layers} MoE layers"
+            )
+        return replays
+
+    def _data_parallel(self) -> tuple[Any, int, int]:
+        """(group, size, this rank's index) of the data-parallel group."""
+        from megatron.core import parallel_state as ps
+
+        return (
+            ps.get_data_parallel_group(),
+            ps.get_data_parallel_world_size(),
+            ps.get_data_parallel_rank(),
+        )
 
     def _forward(self, module: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, ...]:
         ids = mb.input_ids.to(self.device)
@@ -148,34 +189,51 @@ class MegatronBackend:
 
     @torch.no_grad()
     def logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
+        """Each data-parallel rank scores its share; every rank returns all (on the CPU)."""
+        group, size, rank = self._data_parallel()
+        share = dp_share(len(micro_batches), rank, size)
         self.model.eval()
         try:
-            out = []
-            for mb in micro_batches:
-                with self._routing(mb):
-                    out.append(self._forward(self.model, mb)[0].cpu())
-            return out
+            mine = {i: self._score(micro_batches[i]) for i in share.indices}
+            for _ in range(share.padding):  # pairs the MoE all-to-alls with the other ranks
+                self._score(micro_batches[0])
         finally:
             self.model.train()
+
+        def empty(mb: MicroBatch) -> torch.Tensor:
+            return torch.empty(tuple(mb.response_ids.shape), device=self.device)
+
+        return [t.cpu() for t in broadcast_owned(micro_batches, mine, group, size, empty)]
+
+    def _score(self, mb: MicroBatch) -> torch.Tensor:
+        with self._routing(mb):
+            return self._forward(self.model, mb)[0].float().contiguous()
 
     def train_step(
         self, micro_batches: list[MicroBatch], loss_fn: MicroBatchLoss
     ) -> dict[str, float]:
+        """Data-parallel rank r runs micro-batches r, r + W, ... (data_parallel.py); the loss
+        is each micro-batch's share of the step loss, so the summed gradients are the step's."""
         from megatron.core.distributed import finalize_model_grads
 
+        group, size, rank = self._data_parallel()
+        share = dp_share(len(micro_batches), rank, size)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        sums: dict[str, float] = {}
         total_seqs = sum(mb.num_seqs for mb in micro_batches)
-        for mb in micro_batches:
+        runs = [(micro_batches[i], loss_fn) for i in share.indices]
+        runs += [(micro_batches[0], zero_weighted(loss_fn))] * share.padding
+        sums: dict[str, float] = {}
+        for mb, fn in runs:
             on_device = _to_device(mb, self.device)
             with self._routing(on_device):  # backward runs no router (no recomputation)
                 logprobs, entropy = self._forward(self.ddp, on_device)
-                loss, metrics = loss_fn(logprobs, entropy, on_device)
+                loss, metrics = fn(logprobs, entropy, on_device)
                 loss.backward()
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value) * mb.num_seqs / total_seqs
         finalize_model_grads([self.ddp])
+        sums = sum_over_group(sums, group, self.device)
         self._set_lr()
         updated, grad_norm, _ = self.optimizer.step()
         if updated:
@@ -194,10 +252,21 @@ class MegatronBackend:
             group["lr"] = self._lr()
 
     def named_weights(self, fused_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full tensors (gathered over TP/EP) on every rank; see convert.py for the
-        expert layouts. Every rank must drain the iterator."""
+        """HF-named full tensors on rank 0, one parameter at a time (gathered over TP/EP for that
+        parameter only), in `weight_layout`'s order; the other ranks yield nothing but must
+        drain the iterator too (they take part in the gathers). Expert layouts: convert.py
+        (per-expert names by default; fused_experts=True: transformers 5's 3-D tensors, each
+        yielded once every expert of its layer has passed)."""
         yield from megatron_to_hf_named(
-            gathered_megatron(self.model, self.hf_config), self.hf_config, fused_experts
+            stream_full_params(self.model, self.hf_config), self.hf_config, fused_experts
+        )
+
+    def weight_layout(self, fused_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """What `named_weights(fused_experts)` yields, as meta tensors (name, shape, dtype, same
+        order), on any rank and without collectives: the weight sync's layout
+        (`sync.buckets.specs_of(backend.weight_layout(...))`)."""
+        yield from megatron_to_hf_named(
+            full_param_layout(self.model, self.hf_config), self.hf_config, fused_experts
         )
 
     def save_hf(self, directory: str, shard_bytes: int = 5 * 2**30) -> None:
@@ -275,20 +344,28 @@ def _barrier() -> None:
 
 
 def build_megatron_backend(
-    model: Any,
+    source: Any,
     train: Any,
     temperature: float,
     parallel: MegatronParallel,
     dtype: str = "bfloat16",
     routing_replay: bool = False,
+    moe_aux_loss_coeff: float = 0.0,
 ) -> MegatronBackend:
-    """The Megatron backend for an HF `model` (weights read once, then sharded) under the run's
-    `train` settings (a TrainConfig); `routing_replay` replays each micro-batch's routed experts
-    in the MoE routers."""
-    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
-    return MegatronBackend(
-        model.config,
-        state,
+    """The Megatron backend under the run's `train` settings (a TrainConfig). `source`: a policy
+    directory (config.json and safetensors; each rank reads only what its shards are made of,
+    so no rank needs the HF model) or an HF model already in memory. `routing_replay` replays
+    each micro-batch's routed experts in the MoE routers."""
+    if isinstance(source, (str, os.PathLike)):
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(os.fspath(source))
+        weights: Any = SafetensorsCheckpoint(os.fspath(source))
+    else:
+        hf_config, weights = source.config, state_reader(source.state_dict())
+    backend = MegatronBackend(
+        hf_config,
+        weights,
         parallel,
         train.lr,
         train.weight_decay,
@@ -297,4 +374,8 @@ def build_megatron_backend(
         train.warmup_steps,
         dtype=dtype,
         routing_replay=routing_replay,
+        moe_aux_loss_coeff=moe_aux_loss_coeff,
     )
+    if isinstance(weights, SafetensorsCheckpoint):
+        weights.close()
+    return backend

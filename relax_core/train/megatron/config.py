@@ -3,7 +3,7 @@ arguments. Pure: importable without megatron (the GPU image has it, CPU CI does 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -69,6 +69,41 @@ class MegatronParallel:
             )
 
 
+def fit_to_layer_spec(
+    parallel: MegatronParallel, spec: str, hf_config: Any
+) -> tuple[MegatronParallel, str]:
+    """The layout layer spec `spec` ('te' or 'local') can train, and a line for the log when it
+    differs from `parallel` ('' when it does not).
+
+    The local spec (megatron-core 0.19 gpt_layer_specs.py:get_gpt_layer_local_spec, and
+    get_gpt_decoder_block_spec without TransformerEngine) builds its RMSNorms as
+    transformer/torch_norm.py:WrappedTorchNorm, whose __new__ asserts
+    `not config.sequence_parallel`. Sequence parallel only shards activations (same results,
+    less memory), so on 'local' it is turned off. An MoE model cannot train with tp > 1 without
+    it (transformer/moe/moe_layer.py:MoELayer.forward raises in training when the attention TP
+    group is larger than 1 and sequence_parallel is off): that is refused, naming the fields.
+    """
+    if spec not in ("te", "local"):
+        raise ValueError(f"spec must be 'te' or 'local', got {spec!r}")
+    if spec == "te":
+        return parallel, ""
+    if Dims.from_hf(hf_config).num_experts and parallel.tp > 1:
+        raise ValueError(
+            f"train.parallel.tensor: {parallel.tp} with an MoE policy needs sequence parallel, "
+            "which needs TransformerEngine (not installed: megatron-core's local layer spec "
+            "refuses sequence parallel); use train.parallel.tensor 1 and split the experts "
+            "with train.parallel.expert"
+        )
+    if not parallel.sequence_parallel:
+        return parallel, ""
+    return replace(parallel, sequence_parallel=False), (
+        "train.parallel.sequence_parallel is on but TransformerEngine is not installed: "
+        "megatron-core's local layer spec (torch norms) does not support sequence parallel, so "
+        f"it is off for this run (tensor parallel {parallel.tp} still splits the model; "
+        "activations are not sharded, so they take more memory)"
+    )
+
+
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -77,10 +112,23 @@ def transformer_config_kwargs(
     parallel: MegatronParallel,
     dtype: str = "bfloat16",
     routing_replay: bool = False,
+    moe_aux_loss_coeff: float = 0.0,
 ) -> dict[str, Any]:
     """Keyword arguments of megatron.core.transformer.TransformerConfig for an HF Qwen3 / Qwen3-MoE
     config. Rotary base and vocabulary are GPTModel arguments: see `gpt_model_kwargs`.
-    `routing_replay` gives every MoE router a RouterReplay (rollout routing replay, replay.py)."""
+    `routing_replay` gives every MoE router a RouterReplay (rollout routing replay, replay.py).
+
+    `moe_aux_loss_coeff` is 0 unless the caller asks: the router's load-balancing loss (and the
+    z-loss, always off) would add a term to the RL policy gradient that the rollout never saw.
+    The HF config's `router_aux_loss_coef` (0.001 for Qwen3-30B-A3B) is pretraining's value and
+    is not taken.
+
+    `calculate_per_token_loss` is on because each data-parallel rank's loss is its share of the
+    whole step's loss (the loss functions normalise by the step's tokens): megatron-core 0.19's
+    distributed_data_parallel.py:DistributedDataParallel.__init__ then sets
+    gradient_scaling_factor = expert_gradient_scaling_factor = 1.0, so gradients are summed over
+    data-parallel ranks, not averaged; finalize_model_grads scales only when given num_tokens,
+    which the backend never passes."""
     parallel.check_model(hf_config)
     if dtype not in TORCH_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
@@ -115,17 +163,21 @@ def transformer_config_kwargs(
         "context_parallel_size": parallel.cp,
         "expert_model_parallel_size": parallel.ep,
         "sequence_parallel": parallel.sequence_parallel,
+        "calculate_per_token_loss": True,
     }
     if dims.num_experts:
-        kwargs.update(_moe_kwargs(hf_config, dims, parallel))
+        if moe_aux_loss_coeff < 0:
+            raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {moe_aux_loss_coeff}")
+        kwargs.update(_moe_kwargs(hf_config, dims, parallel, moe_aux_loss_coeff))
         kwargs["moe_enable_routing_replay"] = routing_replay
     return kwargs
 
 
-def _moe_kwargs(hf_config: Any, dims: Dims, parallel: MegatronParallel) -> dict[str, Any]:
+def _moe_kwargs(
+    hf_config: Any, dims: Dims, parallel: MegatronParallel, aux: float
+) -> dict[str, Any]:
     # HF routes with softmax over all experts then top-k, renormalized when norm_topk_prob:
     # Megatron's top-k-then-softmax equals the renormalized form, pre_softmax the plain one.
-    aux = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
     return {
         "num_moe_experts": dims.num_experts,
         "moe_router_topk": hf_config.num_experts_per_tok,
@@ -136,6 +188,7 @@ def _moe_kwargs(hf_config: Any, dims: Dims, parallel: MegatronParallel) -> dict[
         "moe_router_dtype": "fp32",
         "moe_router_load_balancing_type": "aux_loss" if aux > 0 else "none",
         "moe_aux_loss_coeff": aux,
+        "moe_z_loss_coeff": None,  # megatron-core's default; None skips the z-loss (router.py)
         "moe_token_dispatcher_type": "alltoall" if parallel.ep > 1 else "allgather",
         "moe_grouped_gemm": False,  # SequentialMLP: per-expert names convert.py writes
         "expert_tensor_parallel_size": 1 if parallel.ep > 1 else parallel.tp,

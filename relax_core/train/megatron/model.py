@@ -63,9 +63,11 @@ def build_gpt(
     max_sequence_length: int | None = None,
     cpu_init: bool = False,
     routing_replay: bool = False,
+    moe_aux_loss_coeff: float = 0.0,
 ):
     """(GPTModel, TransformerConfig) for an HF Qwen3 / Qwen3-MoE config; `spec` 'te' or 'local'.
-    `routing_replay`: each MoE router gets a RouterReplay (replay.py finds them on the model)."""
+    `routing_replay`: each MoE router gets a RouterReplay (replay.py finds them on the model);
+    `moe_aux_loss_coeff`: the router load-balancing loss, 0 for RL (config.py says why)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
@@ -75,7 +77,13 @@ def build_gpt(
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    kwargs = transformer_config_kwargs(hf_config, parallel, dtype, routing_replay=routing_replay)
+    kwargs = transformer_config_kwargs(
+        hf_config,
+        parallel,
+        dtype,
+        routing_replay=routing_replay,
+        moe_aux_loss_coeff=moe_aux_loss_coeff,
+    )
     config = TransformerConfig(**kwargs, use_cpu_initialization=cpu_init)
     if Dims.from_hf(hf_config).num_experts:  # per-layer specs: dense and MoE layers may mix
         layer_spec = get_gpt_decoder_block_spec(

@@ -97,6 +97,15 @@ def shard_for_tp(
     return tensor.chunk(tp_size, dim=dim)[tp_rank].contiguous()
 
 
+def full_shape(name: str, local_shape: Sequence[int], tp_size: int) -> tuple[int, ...]:
+    """The shape of full tensor `name` whose TP shard has `local_shape` (see `tp_kind`)."""
+    shape = list(local_shape)
+    kind = tp_kind(name)
+    if kind != "replicated":
+        shape[1 if kind == "row" else 0] *= tp_size
+    return tuple(shape)
+
+
 def gather_from_tp(name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
     """The full tensor from every TP rank's shard of `name`, in rank order."""
     if not shards:
