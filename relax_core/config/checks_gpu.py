@@ -73,6 +73,8 @@ def _check_sglang(e: list[str], cfg: RunSections) -> None:
 
 def _check_backend(e: list[str], cfg: RunSections) -> None:
     t, p, gpus = cfg.train, cfg.train.parallel, cfg.services.trainer_gpus
+    if t.moe_aux_loss_coef < 0:
+        e.append(f"train.moe_aux_loss_coef: must be >= 0, got {t.moe_aux_loss_coef}")
     if t.backend not in BACKENDS:
         e.append(f"train.backend: {t.backend!r} is not one of {', '.join(BACKENDS)}")
         return
@@ -111,6 +113,12 @@ def _check_backend(e: list[str], cfg: RunSections) -> None:
         e.append(
             f"train.backend: 'megatron' converts Qwen3 policies (model.kind "
             f"{' or '.join(MEGATRON_KINDS)}), not {cfg.model.kind!r}; use 'fsdp' or 'torch'"
+        )
+    if t.backend == "megatron" and p.tensor > 1 and t.routing_replay:
+        e.append(
+            f"train.parallel.tensor: {p.tensor} with an MoE policy needs sequence parallel, "
+            "which needs TransformerEngine (not in the trainer image); use "
+            "train.parallel.tensor 1 and split the experts with train.parallel.expert"
         )
     if t.backend == "megatron":
         for name in ("pipeline", "context"):

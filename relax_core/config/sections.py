@@ -239,8 +239,10 @@ class ParallelConfig:
     """Context-parallel size (long sequences split across GPUs)."""
     expert: int = 1
     """Expert-parallel size of an MoE policy (experts split across GPUs)."""
-    sequence_parallel: bool = True
-    """Megatron sequence parallelism with tensor parallel (activations sharded between TP ops)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism with tensor parallel (activations sharded between TP ops).
+    Needs TransformerEngine's layer spec, which the trainer image lacks: on megatron-core's
+    local spec the backend turns it off and says so in the log."""
     distributed_optimizer: bool = True
     """Shard optimizer state across data-parallel ranks (Megatron's distributed optimizer)."""
 
@@ -283,6 +285,9 @@ class TrainConfig:
     """How the trainer's GPUs split the policy (backend 'megatron'; 'fsdp' is data parallel)."""
     routing_replay: bool = False
     """R3 for an MoE policy: the trainer's routers use the experts the rollout engine chose."""
+    moe_aux_loss_coef: float = 0.0
+    """MoE router load-balancing loss coefficient (Megatron backend); 0 keeps the policy
+    gradient the RL loss's alone (pretraining used ~1e-3)."""
 
 
 @dataclass(frozen=True)

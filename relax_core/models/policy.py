@@ -32,10 +32,20 @@ def load_policy(directory: str, dtype: str = "float32", video_fps: float = 2.0):
         else:
             model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype))
         tokenizer = AutoTokenizer.from_pretrained(directory)
+    return model, for_generation(tokenizer)
+
+
+def load_tokenizer(directory: str):
+    """The tokenizer of a text policy directory, set up as `load_policy` sets it up."""
+    return for_generation(AutoTokenizer.from_pretrained(directory))
+
+
+def for_generation(tokenizer):
+    """Left padding, and EOS as padding when the tokenizer has no pad token."""
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    return model, tokenizer
+    return tokenizer
 
 
 def on_accelerator(model):

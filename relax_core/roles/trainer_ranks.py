@@ -11,14 +11,13 @@ from relax_core.roles.trainer import train_on_table
 
 def follow_rank0(cfg: RunConfig, checkpoint: str) -> None:
     """A trainer rank other than 0 under torchrun: train what rank 0 announces until it stops."""
-    from relax_core.models.policy import load_policy
     from relax_core.roles.media import resolver_for
-    from relax_core.train.factory import has_training_state, make_backend, trainer_dtype
+    from relax_core.train.factory import has_training_state, make_backend, trainer_policy
     from relax_core.train.ranks import Channel, follow
 
     set_threads(cfg.services.trainer_threads or 1)
-    model, _ = load_policy(checkpoint, trainer_dtype(cfg))
-    backend = make_backend(model, cfg)
+    model, _ = trainer_policy(cfg, checkpoint)
+    backend = make_backend(model, cfg, source=checkpoint)
     if has_training_state(checkpoint, cfg.train.backend):
         backend.load(checkpoint)
     resolver = resolver_for(cfg, model)

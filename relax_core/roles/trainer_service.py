@@ -92,12 +92,11 @@ def _entry_metrics(metas: list[dict[str, Any]]) -> dict[str, float]:
 
 class AsyncTrainer:
     def __init__(self, ctx: RoleContext) -> None:
-        from relax_core.models.policy import load_policy
         from relax_core.pool.weights import make_sender
         from relax_core.roles.cores import CoreShare
         from relax_core.roles.media import resolver_for
         from relax_core.sync.buckets import specs_of
-        from relax_core.train.factory import has_training_state, make_backend, trainer_dtype
+        from relax_core.train.factory import has_training_state, make_backend, trainer_policy
 
         self.ctx = ctx
         cfg = self.cfg = ctx.cfg
@@ -109,8 +108,8 @@ class AsyncTrainer:
                 f"checkpoint {ctx.checkpoint} belongs to run {self.state.run_id!r}, "
                 f"not {ctx.run_id!r}"
             )
-        self.model, self.tokenizer = load_policy(ctx.checkpoint, trainer_dtype(cfg))
-        self.backend = make_backend(self.model, cfg)
+        self.model, self.tokenizer = trainer_policy(cfg, ctx.checkpoint)
+        self.backend = make_backend(self.model, cfg, source=ctx.checkpoint)
         if has_training_state(ctx.checkpoint, cfg.train.backend):
             self.backend.load(ctx.checkpoint)
         if cfg.services.trainer_gpus > 1:  # the other ranks do what this one does (ranks.py)
@@ -182,29 +181,41 @@ class AsyncTrainer:
             model.train()
 
     def _eval_model(self):
-        """The policy to evaluate: the trainer's own model with the torch backend in model.dtype;
-        otherwise a copy in model.dtype on this rank holding the backend's current weights (FSDP2 shards the model across
-        ranks, Megatron keeps weights of its own), gathered from every rank."""
+        """The policy to evaluate: the trainer's own model with the torch backend without
+        master weights; otherwise a copy in model.dtype on this rank, filled tensor by tensor
+        from the backend's current weights (FSDP2 shards the model across ranks, Megatron
+        keeps weights of its own, float32 master weights are not what the engines hold)."""
         if self.cfg.train.backend == "torch" and self.model.dtype == getattr(
             torch, self.cfg.model.dtype
-        ):  # no float32 master weights: the model is what the engines hold
+        ):
             return self.model
         from relax_core.models.policy import load_policy
 
         if self._eval_copy is None:
             self._eval_copy, _ = load_policy(self.ctx.checkpoint, self.cfg.model.dtype)
-        # Megatron converts to transformers' in-memory expert layout (fused) for this copy.
-        layout = {"fused_experts": True} if self.cfg.train.backend == "megatron" else {}
-        weights = {n: t.detach().to("cpu") for n, t in self.backend.named_weights(**layout)}
-        missing, unexpected = self._eval_copy.load_state_dict(weights, strict=False)
-        tied = {"lm_head.weight"} if self._eval_copy.config.tie_word_embeddings else set()
-        if unexpected or set(missing) - tied:
+        params = dict(self._eval_copy.named_parameters())
+        tied = set(self._eval_copy.state_dict()) - set(params)  # e.g. a tied lm_head.weight
+        unexpected = []
+        with torch.no_grad():
+            for name, tensor in self._named_weights():
+                if name in params:
+                    params.pop(name).copy_(tensor)
+                elif name not in tied:
+                    unexpected.append(name)
+        if unexpected or params:
             raise RuntimeError(
                 f"the {self.cfg.train.backend} backend's weights do not fit the policy to "
-                f"evaluate: missing {sorted(set(missing) - tied)[:5]}, unexpected "
-                f"{sorted(unexpected)[:5]}"
+                f"evaluate: missing {sorted(params)[:5]}, unexpected {sorted(unexpected)[:5]}"
             )
         return self._eval_copy
+
+    def _named_weights(self):
+        """The backend's weights in the layout of transformers' models (what torch engines,
+        actor_fwd and evaluation hold; Megatron converts its experts to the fused tensors),
+        streamed one tensor at a time."""
+        if self.cfg.train.backend == "megatron":
+            return self.backend.named_weights(fused_experts=True)
+        return self.backend.named_weights()
 
     def next_batch(self) -> tuple[pa.Table, float]:
         """Block until a step batch can be formed; returns it and the seconds waited."""
@@ -325,11 +336,12 @@ class AsyncTrainer:
     def publish(self, version: int) -> None:
         """Push the current weights as `version`; over broadcast, a group that lost a member
         (or has one waiting to join) is formed again first and the update goes to all."""
-        named = self.backend.named_weights()
         if not hasattr(self.sender, "push_or_reform"):
-            self.sender.push(named, version)
+            self.sender.push(self._named_weights(), version)
             return
-        if self.sender.push_or_reform(named, version):
+        # The function, not its tensors: each transport streams a pass of its own bucket by
+        # bucket, and an update sent again after a group re-forms is read again.
+        if self.sender.push_or_reform(self._named_weights, version):
             self.reforms += 1
             log.warning("weight sync group formed again (generation %d)", self.sender.generation)
 

@@ -27,6 +27,24 @@ import torch
 from relax_core.config import RunConfig
 from relax_core.train.backend import MASTER_WEIGHTS_FILE
 
+
+def trainer_policy(cfg: RunConfig, checkpoint: str):
+    """(model, tokenizer) a trainer process holds beside its backend: the policy in
+    `trainer_dtype`, or for Megatron, which reads its own shards from `checkpoint`, the HF
+    architecture on the meta device (names and shapes for the weight-sync layout, no weights
+    in host memory)."""
+    from relax_core.models.policy import load_policy, load_tokenizer
+
+    if cfg.train.backend != "megatron":
+        return load_policy(checkpoint, trainer_dtype(cfg))
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg.model.dtype))
+    return model, load_tokenizer(checkpoint)
+
+
 MASTER_DTYPE = "float32"
 """The dtype the torch and fsdp backends keep the policy's parameters in."""
 
@@ -37,9 +55,11 @@ def trainer_dtype(cfg: RunConfig, backend: str | None = None) -> str:
     return cfg.model.dtype if (backend or cfg.train.backend) == "megatron" else MASTER_DTYPE
 
 
-def make_backend(model, cfg: RunConfig, backend: str | None = None):
+def make_backend(model, cfg: RunConfig, backend: str | None = None, source: str | None = None):
     """`backend` overrides train.backend ('torch' for a process that only evaluates and writes
-    a run's first checkpoint). `model` is loaded in `trainer_dtype(cfg, backend)`."""
+    a run's first checkpoint). `model` is loaded in `trainer_dtype(cfg, backend)`; Megatron
+    reads each rank's shards from the policy directory `source` when given (`model` may then
+    be a meta-device skeleton, see `trainer_policy`)."""
     from relax_core.train.torch_backend import build_backend
 
     t = cfg.train
@@ -68,12 +88,13 @@ def make_backend(model, cfg: RunConfig, backend: str | None = None):
         distributed_optimizer=p.distributed_optimizer,
     )
     return build_megatron_backend(
-        model,
+        source or model,
         t,
         cfg.rollout.temperature,
         parallel,
         cfg.model.dtype,
         routing_replay=t.routing_replay,
+        moe_aux_loss_coeff=t.moe_aux_loss_coef,
     )
 
 
