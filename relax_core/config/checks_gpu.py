@@ -5,6 +5,7 @@ I/O (whether CUDA is there is the roles' concern, checked when they start)."""
 from __future__ import annotations
 
 import re
+import shlex
 
 from relax_core.config.sections import RunSections
 
@@ -47,6 +48,19 @@ def check_gpu_stacks(e: list[str], cfg: RunSections) -> None:
     _check_backend(e, cfg)
 
 
+def data_parallel(extra_args: str) -> int:
+    """The data-parallel replicas `--dp-size` (or `--data-parallel-size`) asks of a server."""
+    args = shlex.split(extra_args)
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in ("--dp-size", "--data-parallel-size"):
+            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"sglang.extra_args: {name} needs a count >= 1, got {value!r}")
+            return int(value)
+    return 1
+
+
 def _check_sglang(e: list[str], cfg: RunSections) -> None:
     g = cfg.sglang
     if g.pause_mode not in PAUSE_MODES:
@@ -64,6 +78,17 @@ def _check_sglang(e: list[str], cfg: RunSections) -> None:
         )
     if cfg.mode == "colocate" and g.release_memory and not g.handoff_dir:
         e.append("sglang.handoff_dir: required in colocate mode (weights go through it)")
+    try:
+        replicas = data_parallel(g.extra_args)
+    except ValueError as err:
+        e.append(str(err))
+        replicas = 1
+    if cfg.mode == "async" and replicas > 1:
+        e.append(
+            f"sglang.extra_args: --dp-size {replicas} in async mode: SGLang 0.5.23 refuses "
+            "weight updates from the trainer's group on a server with data-parallel replicas; "
+            f"run {replicas} rollout workers (services.rollout_workers), one server each, instead"
+        )
     if cfg.mode == "async" and cfg.services.weight_sync != "broadcast":
         e.append(
             f"services.weight_sync: {cfg.services.weight_sync!r} with rollout.engine 'sglang'; "

@@ -20,10 +20,10 @@ visible (a CPU run) nothing is set.
 from __future__ import annotations
 
 import os
-import shlex
 from dataclasses import dataclass
 
 from relax_core.config import RunConfig
+from relax_core.config.checks_gpu import data_parallel
 from relax_core.roles.service import stage_chain
 
 VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
@@ -41,19 +41,6 @@ class Slot:
     """Device ids as the parent sees them (entries of its CUDA_VISIBLE_DEVICES, or indices)."""
     why: str
     """What the devices are for, for the printed plan."""
-
-
-def data_parallel(extra_args: str) -> int:
-    """The data-parallel replicas `--dp-size` (or `--data-parallel-size`) asks of a server."""
-    args = shlex.split(extra_args)
-    for i, arg in enumerate(args):
-        name, eq, value = arg.partition("=")
-        if name in ("--dp-size", "--data-parallel-size"):
-            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
-            if not value.isdigit() or int(value) < 1:
-                raise ValueError(f"sglang.extra_args: {name} needs a count >= 1, got {value!r}")
-            return int(value)
-    return 1
 
 
 def sglang_gpus(cfg: RunConfig) -> int:

@@ -1,27 +1,36 @@
 """Weight sync from the trainer to SGLang servers, over a process group that SGLang joins itself.
 
-SGLang's documented update path, driven from the trainer (rank 0):
-1. form: ask each server for its `tp_size` (`/get_server_info`), give it `rank_offset` = 1 + the
-   tp sizes before it, and call `/init_weights_update_group {master_address, master_port,
-   rank_offset, world_size, group_name, backend}` on every server at once while this process
-   joins as rank 0 (process_group.py); the calls return once the group is formed.
-2. update version v: `/pause_generation {"mode": "retract"}` (sglang.pause_mode; retract: running
-   requests go back to the waiting queue and their KV cache is recomputed by the new weights),
-   then per bucket `/update_weights_from_distributed {names, dtypes, shapes, group_name,
-   load_format: "flattened_bucket"}` on every server while rank 0 broadcasts the bucket as one
-   flat uint8 tensor (tensors back to back, SGLang's FlattenedTensorBucket layout); the last
-   bucket carries `weight_version: "v"` and `flush_cache` (not with pause mode in_place, whose
-   paused requests keep running: SGLang refuses to flush then and fails the update); then
-   `/continue_generation`.
+SGLang's documented update path (0.5.23), driven from the trainer (rank 0):
+1. form: ask each server for its `tp_size` and `dp_size` (`/get_server_info`); a server with
+   data-parallel replicas is refused here, as SGLang refuses it (an assertion in
+   TokenizerManager.init_weights_update_group: run one server per replica instead). Give each
+   server `rank_offset` = 1 + the tp sizes before it, and call `/init_weights_update_group
+   {master_address, master_port, rank_offset, world_size, group_name, backend}` on every server
+   at once while this process joins as rank 0 (process_group.py); each of a server's TP ranks
+   joins at rank_offset + tp_rank, so world_size = 1 + the sum of the tp sizes. The calls
+   return once the group is formed.
+2. update version v: `/pause_generation {"mode": "retract"}` (sglang.pause_mode; retract:
+   running requests go back to the waiting queue, keeping their tokens, and their KV cache is
+   recomputed by the new weights), `/begin_weight_update` (SGLang loads distributed updates only
+   inside such a session: SchedulerWeightUpdaterManager), then per bucket
+   `/update_weights_from_distributed {names, dtypes, shapes, group_name, load_format:
+   "flattened_bucket"}` on every server while rank 0 broadcasts the bucket as one flat uint8
+   tensor (tensors back to back, SGLang's FlattenedTensorBucket layout); the last bucket carries
+   `weight_version: "v"` and `flush_cache` (not with pause mode in_place, whose paused requests
+   keep running: SGLang refuses to flush then and fails the update); then `/end_weight_update`
+   and `/continue_generation`.
 3. the engine set changes (an engine registered or drained): `/destroy_weights_update_group` on
    the servers that stay, and a new group under a new name, formed at the next update.
 
 Group names are `{base}-{incarnation}-{generation}`, the incarnation a nonce of this sender: a
 trainer restarted from a checkpoint finds servers that still hold the dead trainer's group, and
 torch refuses a second group of the same name. The new trainer first destroys the group the dead
-one recorded (`previous`, from control/rendezvous/sglang) on the servers that were in it.
+one recorded (`previous`, from control/rendezvous/sglang) on the servers that were in it. A
+session the dead trainer left open is closed before a new one begins.
 
-Buckets are the same plan as the broadcast transport (buckets.py): one dtype each, at most
+SGLang loads the names it knows and skips the rest with success (each model's `load_weights`):
+the names sent must be its checkpoint names (per-expert MoE names, not transformers 5's fused
+ones). Buckets are the same plan as the broadcast transport (buckets.py): one dtype each, at most
 `bucket_bytes`, so the staging a server needs is bounded. NCCL on GPUs, gloo on CPU.
 """
 
@@ -38,14 +47,14 @@ import torch
 import torch.distributed as dist
 
 from relax_core.net import free_port
-from relax_core.rollout.sglang_engine import SGLangClient, SGLangEngine, SGLangError
+from relax_core.rollout.sglang_engine import SGLangClient, SGLangError
 from relax_core.sync.buckets import (
     Bucket,
     NamedTensors,
     TensorSpec,
-    check_tensors,
     flatten_into,
     plan_buckets,
+    stream_buckets,
 )
 from relax_core.sync.process_group import join_weight_group, leave_weight_group
 
@@ -116,7 +125,10 @@ class SGLangSender:
     def push(self, named_tensors: NamedTensors, version: int) -> bool:
         """Send every weight to every wanted server as `version`, forming the group again
         first when the set of servers changed. True if it formed a new group."""
-        tensors = check_tensors(self.specs, named_tensors)
+        # A list is checked whole here, before anything is sent; a stream (a backend's
+        # named_weights) is read bucket by bucket as the buckets go out, and not at all when
+        # no server is there to take it.
+        stream = stream_buckets(self.specs, self.buckets, named_tensors)
         wanted = self.wanted()
         if not wanted and not self.members:
             return False
@@ -127,8 +139,8 @@ class SGLangSender:
             return reformed
         self._each("/pause_generation", {"mode": self.pause_mode})
         try:
-            with torch.no_grad():
-                for i, bucket in enumerate(self.buckets):
+            with self._session(), torch.no_grad(), contextlib.closing(stream):
+                for i, bucket, tensors in stream:
                     last = i == len(self.buckets) - 1
                     self._send_bucket(bucket, tensors, version if last else None)
         finally:
@@ -168,13 +180,54 @@ class SGLangSender:
         except SGLangError as err:
             raise SGLangError(f"SGLang engine {name}: {err}") from err
 
+    @contextlib.contextmanager
+    def _session(self):
+        """SGLang's weight-update session around the buckets, closed however they end."""
+        futures = [(n, self._executor().submit(self._begin, n, u)) for n, u in self.members]
+        for n, future in futures:
+            self._result(n, future)
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(SGLangError):
+                self._each("/end_weight_update", {})
+            raise
+        self._each("/end_weight_update", {})
+
+    def _begin(self, name: str, url: str) -> None:
+        """Open a session; one left open (a trainer that died mid-update) is closed first."""
+        client = self._client(name, url)
+        try:
+            client.post_ok("/begin_weight_update", {})
+        except SGLangError as err:
+            if "already open" not in str(err):
+                raise
+            log.warning("SGLang engine %s had a weight-update session open; closing it", name)
+            client.post_ok("/end_weight_update", {})
+            client.post_ok("/begin_weight_update", {})
+
+    def _ranks(self, name: str, url: str) -> int:
+        """The server's TP size (its ranks in the group); SGLangError for one with DP replicas."""
+        info = self._client(name, url).get("/get_server_info")
+        try:
+            tp, dp = int(info.get("tp_size", 1)), int(info.get("dp_size", 1))
+        except (AttributeError, TypeError, ValueError) as err:
+            raise SGLangError(f"{url}/get_server_info has no usable tp_size/dp_size") from err
+        if dp != 1:
+            raise SGLangError(
+                f"SGLang engine {name} ({url}) runs {dp} data-parallel replicas: SGLang 0.5.23 "
+                "refuses weight updates from distributed with --dp-size > 1; run one server "
+                "per replica (sglang.extra_args) instead"
+            )
+        return tp
+
     def _form(self, wanted: list[tuple[str, str]]) -> None:
         self._leave()
         self.generation += 1
         self.members = []
         if not wanted:
             return
-        sizes = [SGLangEngine(self._client(n, u)).tp_size() for n, u in wanted]
+        sizes = [self._ranks(n, u) for n, u in wanted]
         world = 1 + sum(sizes)
         port = free_port(self.host)
         name = f"{self.base_name}-{self.incarnation}-{self.generation}"

@@ -1,32 +1,37 @@
 """A stand-in SGLang server for contract tests (`python -m tests.integration.fake_sglang`).
 
-SGLang cannot run on this CPU, so this server implements the part of its documented HTTP API the
-rollout client and the weight sync use, with the same request and response fields, and checks
-them as strictly as SGLang's request dataclasses do (a missing or unknown field is a 400). What
-it does is real: it generates with a torch policy (log-probs included) and joins the trainer's
-weight group over gloo exactly as SGLang's `init_weights_update_group` describes (rendezvous at
-master_address:master_port, rank = rank_offset + tp_rank, store prefixed by group name), then
-receives each `update_weights_from_distributed` call's broadcast, flattened or per tensor.
+SGLang cannot run on this CPU, so this server implements the part of SGLang 0.5.23's HTTP API the
+rollout client and the weight sync use, with the same request and response fields, and refuses
+what the pinned source refuses. It is stricter in one way: an unknown field is a 400 here, where
+SGLang's request models ignore it, so a misspelt field (which SGLang would drop silently) fails a
+test. What it does is real: it generates with a torch policy (log-probs included), and its weight
+side (fake_sglang_weights.py) joins the trainer's weight group over gloo as each TP rank does.
 
-An MoE policy (a config with num_experts) serves `return_routed_experts` as SGLang does:
-`meta_info.routed_experts` = base64 of an int32 array [prompt + output - 1, layers, top_k]
-(models/routing_replay.py records them); a dense policy refuses the field, as a server
-launched without `--enable-return-routed-experts` has nothing to return.
+Scheduling rules copied from the pinned source (facts, not code):
+- start-up: until warm-up has run, `/health` and `/health_generate` answer 503 while other
+  endpoints serve (http_server.health_generate: server_status Starting; `--warmup-s`);
+- `/pause_generation` (Scheduler.pause_generation): `in_place` sets the flag and returns, running
+  requests stay in the batch with their KV cache and go on after continue; `retract` takes them
+  out of the batch between decode steps, frees their KV cache and puts them back in the waiting
+  queue, keeping the tokens generated so far (Req.reset_for_retract keeps output_ids); after
+  `/continue_generation` they are prefilled again (prompt + output so far, under the weights then
+  held) and finish, the HTTP request never fails, and `meta_info.num_retractions` counts it;
+  `abort` is modelled as waiting for running requests to end;
+- an MoE policy serves `return_routed_experts` (base64 int32 [prompt + output - 1, layers,
+  top_k]); a dense one refuses it, as a server without `--enable-return-routed-experts`;
+- with `--api-key` every request but /health* needs `Authorization: Bearer <key>`
+  (srt/utils/auth.py, decide_request_auth).
 
-With `--api-key` it refuses (401) every request but /health* that lacks `Authorization: Bearer
-<key>`, as SGLang's middleware does for a server started with that flag (sglang 0.5.23:
-srt/utils/auth.py, decide_request_auth).
-
-Test-only endpoints: `GET /relax_test/events` (what happened, in order: generate start/end with
-the weight version, update begin/end, pause, continue) and `GET /relax_test/digest` (sha256 of
-every parameter's bytes), so a test can check weights arrived bit-exact and that no generation
-ran during an update.
+Test-only endpoints: `GET /relax_test/events` (generate start/end with the weight version, retract,
+update begin/end, pause, continue), `GET /relax_test/digest` (sha256 of every parameter's bytes)
+and `GET /relax_test/loaded` (every weight name sent: consumed or ignored by load_weights).
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -36,14 +41,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from relax_core.models.routing_replay import attach_routing_replay
 from relax_core.rollout.engine import SamplingParams
 from relax_core.rollout.torch_engine import TorchEngine
-from relax_core.sync.buckets import dtype_of
-from relax_core.sync.process_group import join_weight_group, leave_weight_group
+from tests.integration.fake_sglang_weights import FakeWeights, ServerError
 
+BASE = {"rid", "http_worker_ipc"}  # every control request's BaseReq fields (io_struct.py)
+UPDATE = {"flush_cache", "abort_all_requests", "weight_version", "selector", "torch_empty_cache"}
 REQUIRED = {
     "/generate": (
         {"input_ids", "sampling_params"},
@@ -55,15 +60,18 @@ REQUIRED = {
     ),
     "/update_weights_from_distributed": (
         {"names", "dtypes", "shapes"},
-        {"group_name", "flush_cache", "abort_all_requests", "weight_version", "load_format"},
+        {"group_name", "load_format", *UPDATE},
     ),
+    "/update_weights_from_tensor": ({"serialized_named_tensors"}, {"load_format", *UPDATE}),
+    "/begin_weight_update": (set(), {"selector"}),
+    "/end_weight_update": (set(), set()),
     "/destroy_weights_update_group": (set(), {"group_name"}),
     "/pause_generation": (set(), {"mode"}),
-    "/continue_generation": (set(), set()),
+    "/continue_generation": (set(), {"torch_empty_cache"}),
     "/flush_cache": (set(), set()),
     "/update_weights_from_disk": (
         {"model_path"},
-        {"load_format", "abort_all_requests", "weight_version", "flush_cache", "keep_pause"},
+        {"load_format", "keep_pause", "recapture_cuda_graph", "token_step", "is_async", *UPDATE},
     ),
     "/release_memory_occupation": (set(), {"tags"}),
     "/resume_memory_occupation": (set(), {"tags"}),
@@ -77,24 +85,44 @@ class BadRequest(Exception):
 
 
 class FakeSGLang:
-    def __init__(self, model, eos: int, pad: int, generate_delay_s: float) -> None:
+    """The scheduler: requests, pauses, memory; the weights are `self.weights`'."""
+
+    def __init__(
+        self,
+        model,
+        eos: int,
+        pad: int,
+        generate_delay_s: float,
+        step_delay_s: float = 0.0,
+        tp_size: int = 1,
+        dp_size: int = 1,
+        warmup_s: float = 0.0,
+    ) -> None:
         self.moe = bool(getattr(model.config, "num_experts", 0))
         if self.moe:
             attach_routing_replay(model)
-        self.engine = TorchEngine(model, eos, pad, seed=0)
         self.model = model
+        self.engine = TorchEngine(model, eos, pad, seed=0)
+        self.engine.weight_poll = self._between_steps
         self.weight_version = "default"
-        self.groups: dict[str, object] = {}
         self.events: list[list] = []
         self.cond = threading.Condition()
-        self.paused = False
+        self.paused = ""
+        """The pause mode in force ('' when generating)."""
+        self.busy = False
+        """A forward or a weight load holds the model (one at a time, as the scheduler loop)."""
         self.running = 0
+        """Requests in the running batch (one computing, in_place ones paused mid-way)."""
         self.waiting = 0
-        self.model_lock = threading.Lock()
-        self.generate_delay_s = generate_delay_s
+        """Requests in the waiting queue (new, or retracted)."""
+        self.local = threading.local()
+        self.generate_delay_s, self.step_delay_s = generate_delay_s, step_delay_s
+        self.ready_at = time.monotonic() + warmup_s
         self.released: set[str] = set()
         """Memory tags released (colocate): generating needs none released, loading weights
         needs 'weights' held."""
+        self.tp_size, self.dp_size = tp_size, dp_size
+        self.weights = FakeWeights(self, tp_size, dp_size)
 
     def event(self, *what) -> None:
         with self.cond:
@@ -104,6 +132,57 @@ class FakeSGLang:
                 with open(record, "a") as f:
                     f.write(json.dumps([time.time(), *what]) + "\n")
 
+    # ------------------------------------------------------------------ the model, one at a time
+    def _take_model(self) -> None:
+        """Wait (under cond) until generation may run and nothing holds the model; take it."""
+        while self.paused or self.busy:
+            self.cond.wait()
+        self.busy = True
+
+    def _give_model(self) -> None:
+        self.busy = False
+        self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def model_held(self):
+        """For a weight load: the model, once no forward runs (paused requests hold none)."""
+        with self.cond:
+            while self.busy:
+                self.cond.wait()
+            self.busy = True
+        try:
+            yield
+        finally:
+            with self.cond:
+                self._give_model()
+
+    def idle_for_flush(self) -> bool:
+        """Scheduler.is_fully_idle(ignore_waiting=paused): no running request, and no waiting
+        one unless generation is paused."""
+        with self.cond:
+            return self.running == 0 and (bool(self.paused) or self.waiting == 0)
+
+    def _between_steps(self) -> bool:
+        """TorchEngine calls this between decode steps of the request holding the model: where
+        SGLang's scheduler loop takes a pause. True when the KV cache must be rebuilt (retract)."""
+        self.local.tokens += 1
+        time.sleep(self.step_delay_s)
+        with self.cond:
+            mode = self.paused
+            if not mode:
+                return False
+            if mode == "retract":
+                self.running, self.waiting = self.running - 1, self.waiting + 1
+                self.local.retractions += 1
+            self._give_model()
+        if mode == "retract":
+            self.event("retract", self.local.tokens)
+        with self.cond:
+            self._take_model()
+            if mode == "retract":
+                self.running, self.waiting = self.running + 1, self.waiting - 1
+        return mode == "retract"
+
     # ------------------------------------------------------------------ endpoints
     def generate(self, body: dict) -> list | dict:
         ids = body["input_ids"]
@@ -112,8 +191,7 @@ class FakeSGLang:
         sp = body["sampling_params"]
         if body.get("return_routed_experts") and not self.moe:
             raise BadRequest("return_routed_experts: the served model has no MoE routers")
-        unknown = set(sp) - SAMPLING
-        if unknown:
+        if unknown := set(sp) - SAMPLING:
             raise BadRequest(f"unknown sampling_params {sorted(unknown)}")
         temperature = float(sp.get("temperature", 1.0))
         params = SamplingParams(
@@ -124,23 +202,21 @@ class FakeSGLang:
         )
         if self.released:
             raise BadRequest(f"generate while memory is released ({sorted(self.released)})")
-        with self.cond:  # a paused server queues new requests (retract/in_place) until continue
+        self.local.tokens, self.local.retractions = 0, 0
+        with self.cond:  # queued until generation runs and the model is free
             self.waiting += 1
-            while self.paused:
-                self.cond.wait()
-            self.waiting -= 1
-            self.running += 1
+            self._take_model()
+            self.waiting, self.running = self.waiting - 1, self.running + 1
         try:
-            with self.model_lock:
-                version = self.weight_version
-                self.event("generate_start", version)
-                time.sleep(self.generate_delay_s)
-                completions = self.engine.generate(prompts, params)
-                self.event("generate_end", version)
+            self.event("generate_start", self.weight_version)
+            time.sleep(self.generate_delay_s)
+            completions = self.engine.generate(prompts, params)
+            version = self.weight_version
+            self.event("generate_end", version)
         finally:
             with self.cond:
                 self.running -= 1
-                self.cond.notify_all()
+                self._give_model()
         out = []
         for i, c in enumerate(completions):
             meta = {
@@ -149,6 +225,7 @@ class FakeSGLang:
                 "prompt_tokens": len(prompts[i]),
                 "completion_tokens": len(c.response_ids),
                 "weight_version": version,
+                "num_retractions": self.local.retractions,
             }
             if body.get("return_logprob"):
                 meta["output_token_logprobs"] = [
@@ -160,107 +237,36 @@ class FakeSGLang:
             out.append({"text": "", "output_ids": c.response_ids, "meta_info": meta})
         return out[0] if single else out
 
-    def init_group(self, body: dict) -> dict:
-        name = body.get("group_name", "weight_update_group")
-        if name in self.groups:
-            return {"success": False, "message": f"group {name} already exists"}
-        group = join_weight_group(
-            body.get("backend", "nccl"),
-            body["master_address"],
-            int(body["master_port"]),
-            int(body["world_size"]),
-            int(body["rank_offset"]),  # tp_rank 0: this server has one TP rank
-            name,
-            120.0,
-        )
-        self.groups[name] = group
-        return {"success": True, "message": "Succeeded to initialize custom process group."}
-
-    def update(self, body: dict) -> dict:
-        name = body.get("group_name", "weight_update_group")
-        if name not in self.groups:
-            return {"success": False, "message": f"Group {name} not in {list(self.groups)}"}
-        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
-        if not len(names) == len(dtypes) == len(shapes):
-            raise BadRequest("names, dtypes and shapes differ in length")
-        group = self.groups[name]
-        # SGLang flushes the cache after loading, and a flush needs an idle scheduler: no running
-        # request (paused in_place ones count), and no waiting one unless generation is paused
-        # (Scheduler.flush_cache -> is_fully_idle(ignore_waiting=paused) in 0.5.23).
-        flushable = self._idle_for_flush()
-        self.event("update_begin", name)
-        empties = [torch.empty(s, dtype=dtype_of(d)) for d, s in zip(dtypes, shapes, strict=True)]
-        if body.get("load_format") == "flattened_bucket":
-            flat = torch.empty(sum(t.nbytes for t in empties), dtype=torch.uint8)
-            dist.broadcast(flat, src=0, group=group)
-            offset = 0
-            for t in empties:
-                t.view(-1).view(torch.uint8).copy_(flat[offset : offset + t.nbytes])
-                offset += t.nbytes
-        else:
-            for t in empties:
-                dist.broadcast(t, src=0, group=group)
-        with self.model_lock:
-            params = dict(self.model.named_parameters())
-            missing = [n for n in names if n not in params]
-            if missing:
-                return {"success": False, "message": f"unknown parameters {missing}"}
-            with torch.no_grad():
-                for n, t in zip(names, empties, strict=True):
-                    params[n].copy_(t)
-            if body.get("weight_version") is not None:
-                self.weight_version = str(body["weight_version"])
-        self.event("update_end", self.weight_version)
-        if body.get("flush_cache", True) and not flushable:
-            return {
-                "success": False,
-                "message": "Weights were updated, but the cache was not flushed because "
-                "requests are still running or queued. Retract or finish them, then call "
-                "/flush_cache.",
-            }
-        return {"success": True, "message": "Succeeded to update parameter online."}
-
-    def _idle_for_flush(self) -> bool:
+    def pause(self, body: dict) -> dict:
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"Invalid mode: {mode!r}")
         with self.cond:
-            return self.running == 0 and (self.paused or self.waiting == 0)
+            if mode == "abort":  # running requests end first (here: finish)
+                while self.waiting or self.running:
+                    self.cond.wait()
+            self.paused = mode
+            # retract returns once the running batch is empty: the request computing now is
+            # retracted at its next step; in_place returns at once.
+            while mode == "retract" and self.running:
+                self.cond.wait()
+        self.event("pause", mode)
+        return {"message": "Generation paused successfully.", "status": "ok"}
 
-    def update_from_disk(self, body: dict) -> dict:
-        from safetensors.torch import load_file
-
-        path = body["model_path"]
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-        if not files:
-            return {"success": False, "message": f"no *.safetensors in {path}"}
-        if "weights" in self.released:
-            return {"success": False, "message": "weights are released; resume them first"}
-        self.event("update_begin", "disk")
-        with self.model_lock:
-            params = dict(self.model.named_parameters())
-            loaded = {}
-            for f in files:
-                loaded.update(load_file(os.path.join(path, f)))
-            unknown = sorted(set(loaded) - set(params))
-            if unknown:
-                return {"success": False, "message": f"unknown parameters {unknown}"}
-            with torch.no_grad():
-                for n, t in loaded.items():
-                    params[n].copy_(t)
-            if body.get("weight_version") is not None:
-                self.weight_version = str(body["weight_version"])
-        self.event("update_end", self.weight_version)
-        return {
-            "success": True,
-            "message": "Succeeded to update model weights.",
-            "num_paused_requests": 0,
-        }
+    def resume(self, body: dict) -> dict:
+        with self.cond:
+            self.paused = ""
+            self.cond.notify_all()
+        self.event("continue")
+        return {"message": "Generation continued successfully.", "status": "ok"}
 
     def release(self, body: dict) -> dict:
         tags = set(body.get("tags") or MEMORY_TAGS)
         if tags - MEMORY_TAGS:
             raise BadRequest(f"unknown memory tags {sorted(tags - MEMORY_TAGS)}")
         with self.cond:
-            if self.waiting or self.running:
-                raise BadRequest("release_memory_occupation while requests run")
+            if not self.idle_for_flush():
+                raise BadRequest("release_memory_occupation should be called only when idle")
             self.released |= tags
         self.event("release", sorted(tags))
         return {"success": True, "message": "released"}
@@ -271,62 +277,45 @@ class FakeSGLang:
         self.event("resume_memory", sorted(tags))
         return {"success": True, "message": "resumed"}
 
-    def destroy_group(self, body: dict) -> dict:
-        group = self.groups.pop(body.get("group_name", "weight_update_group"), None)
-        if group is None:
-            return {"success": False, "message": "no such group"}
-        leave_weight_group(group)
-        return {"success": True, "message": "destroyed"}
-
-    def pause(self, body: dict) -> dict:
-        mode = body.get("mode", "abort")
-        if mode not in ("abort", "retract", "in_place"):
-            raise BadRequest(f"Invalid mode: {mode!r}")
-        if mode == "in_place":
-            # Running requests stay in the batch, paused, and go on after continue with the
-            # KV cache they have: they are still running while the update arrives.
-            with self.cond:
-                self.paused = True
-            self.event("pause", mode)
-            return {"success": True, "message": "paused"}
-        with self.cond:
-            # Requests queued before this pause run first (SGLang serves a retracted request
-            # after continue; here that is before the next pause, so a trainer that updates
-            # many times a second cannot starve generation), then no generation overlaps the
-            # update.
-            while self.waiting or self.running:
-                self.cond.wait()
-            self.paused = True
-        self.event("pause", mode)
-        return {"success": True, "message": "paused"}
-
-    def resume(self, body: dict) -> dict:
-        with self.cond:
-            self.paused = False
-            self.cond.notify_all()
-        self.event("continue")
-        return {"success": True, "message": "continued"}
+    def server_info(self) -> dict:
+        return {"tp_size": self.tp_size, "dp_size": self.dp_size, "pp_size": 1}
 
     def digest(self) -> dict:
-        with self.model_lock:
+        with self.model_held():
             return {
                 n: hashlib.sha256(
-                    p.detach().contiguous().view(-1).view(torch.uint8).numpy()
+                    p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
                 ).hexdigest()
                 for n, p in self.model.named_parameters()
             }
 
 
+# Endpoints whose failure SGLang answers with HTTP 400 {"success": false, "message"}.
+FAIL_400 = {
+    "/init_weights_update_group",
+    "/destroy_weights_update_group",
+    "/update_weights_from_distributed",
+    "/update_weights_from_tensor",
+    "/update_weights_from_disk",
+    "/begin_weight_update",
+    "/end_weight_update",
+}
+
+
 def serve(state: FakeSGLang, port: int, api_key: str = "") -> ThreadingHTTPServer:
+    w = state.weights
     posts = {
         "/generate": state.generate,
-        "/init_weights_update_group": state.init_group,
-        "/update_weights_from_distributed": state.update,
-        "/destroy_weights_update_group": state.destroy_group,
+        "/init_weights_update_group": w.init_group,
+        "/update_weights_from_distributed": w.update_distributed,
+        "/update_weights_from_tensor": w.update_tensor,
+        "/begin_weight_update": w.begin,
+        "/end_weight_update": w.end,
+        "/destroy_weights_update_group": w.destroy_group,
         "/pause_generation": state.pause,
         "/continue_generation": state.resume,
         "/flush_cache": lambda body: {"success": True, "message": ""},
-        "/update_weights_from_disk": state.update_from_disk,
+        "/update_weights_from_disk": w.update_disk,
         "/release_memory_occupation": state.release,
         "/resume_memory_occupation": state.resume_memory,
     }
@@ -351,16 +340,20 @@ def serve(state: FakeSGLang, port: int, api_key: str = "") -> ThreadingHTTPServe
         def do_GET(self):
             if self._refused():
                 return
+            if self.path in ("/health", "/health_generate", "/ready"):
+                warm = time.monotonic() >= state.ready_at
+                return self._send(200 if warm else 503, None)
             gets = {
-                "/health": lambda: None,
                 "/get_model_info": lambda: {
                     "model_path": "fake",
                     "is_generation": True,
                     "weight_version": state.weight_version,
                 },
-                "/get_server_info": lambda: {"tp_size": 1, "dp_size": 1},
+                "/get_server_info": state.server_info,
+                "/server_info": state.server_info,
                 "/relax_test/events": lambda: state.events,
                 "/relax_test/digest": state.digest,
+                "/relax_test/loaded": w.loaded,
             }
             if self.path not in gets:
                 return self._send(404, {"detail": "Not Found"})
@@ -378,11 +371,15 @@ def serve(state: FakeSGLang, port: int, api_key: str = "") -> ThreadingHTTPServe
                     raise BadRequest("the body must be a JSON object")
                 if missing := required - set(body):
                     raise BadRequest(f"missing field(s) {sorted(missing)}")
-                if unknown := set(body) - required - optional:
+                if unknown := set(body) - required - optional - BASE:
                     raise BadRequest(f"unknown field(s) {sorted(unknown)}")
-                self._send(200, posts[self.path](body))
+                answer = posts[self.path](body)
+            except ServerError as err:
+                return self._send(500, {"error": {"message": f"AssertionError: {err}"}})
             except (BadRequest, ValueError, KeyError, TypeError) as err:
-                self._send(400, {"error": {"message": str(err)}})
+                return self._send(400, {"error": {"message": str(err)}})
+            failed = isinstance(answer, dict) and answer.get("success") is False
+            self._send(400 if failed and self.path in FAIL_400 else 200, answer)
 
         def log_message(self, *args):
             pass
@@ -398,6 +395,11 @@ def main() -> None:
     p.add_argument("--checkpoint", help="a policy directory (load_policy)")
     p.add_argument("--tiny-seed", type=int, default=0, help="else: the tests' tiny policy")
     p.add_argument("--generate-delay-s", type=float, default=0.0)
+    p.add_argument("--step-delay-s", type=float, default=0.0, help="per decode step")
+    p.add_argument("--warmup-s", type=float, default=0.0, help="/health answers 503 this long")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--dp-size", type=int, default=1)
+    p.add_argument("--device", default="cpu")
     p.add_argument("--weight-version", default="default")
     p.add_argument("--api-key", default="")
     a = p.parse_args()
@@ -410,7 +412,16 @@ def main() -> None:
         from tests.integration.weight_sync_actors import tiny_policy
 
         model, tok = tiny_policy(a.tiny_seed)
-    state = FakeSGLang(model, tok.eos_token_id, tok.pad_token_id, a.generate_delay_s)
+    state = FakeSGLang(
+        model.to(a.device),
+        tok.eos_token_id,
+        tok.pad_token_id,
+        a.generate_delay_s,
+        a.step_delay_s,
+        a.tp_size,
+        a.dp_size,
+        a.warmup_s,
+    )
     state.weight_version = a.weight_version
     serve(state, a.port, a.api_key).serve_forever()
 

@@ -86,6 +86,18 @@ def test_the_moe_config_replays_routes_on_megatron():
             },
             "train.parallel.tensor: 2 with an MoE policy needs sequence parallel",
         ),
+        (
+            {
+                "mode": "async",
+                "rollout": {"engine": "sglang", "max_staleness": 1},
+                "sglang": {"extra_args": "--dp-size 2"},
+            },
+            "sglang.extra_args: --dp-size 2 in async mode: SGLang 0.5.23 refuses weight updates",
+        ),
+        (
+            {"rollout": {"engine": "sglang"}, "sglang": {"extra_args": "--dp-size many"}},
+            "sglang.extra_args: --dp-size needs a count >= 1, got 'many'",
+        ),
         ({"train": {"backend": "deepspeed"}}, "train.backend: 'deepspeed' is not one of"),
         (
             {"train": {"backend": "fsdp", "parallel": {"tensor": 2}}},

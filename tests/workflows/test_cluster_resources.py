@@ -324,9 +324,14 @@ def test_shipped_configs_name_an_accelerator_exactly_when_they_need_gpus():
 def test_the_sglang_server_gpus_count_its_data_parallel_replicas():
     cfg = _cfg("qwen3-4b-8xgpu")
     assert placement.sglang_gpus(cfg) == 1
-    wide = replace(cfg, services={"rollout_gpus": 2}, sglang={"extra_args": "--dp-size=4"})
+    tp = replace(cfg, services={"rollout_gpus": 2})
+    assert placement.sglang_gpus(tp) == 2
+    assert resources.gpus(tp, "sglang_rollout_service") == 2
+    # Data-parallel replicas: colocate only (async refuses them, SGLang syncs no weights there)
+    colocate = _cfg("qwen3-4b-8xgpu-colocate")
+    assert placement.sglang_gpus(colocate) == 8
+    wide = replace(colocate, services={"rollout_gpus": 2}, sglang={"extra_args": "--dp-size=4"})
     assert placement.sglang_gpus(wide) == 8
-    assert resources.gpus(wide, "sglang_rollout_service") == 8
     assert placement.data_parallel("--log-level warning --data-parallel-size 3") == 3
     with pytest.raises(ValueError, match="sglang.extra_args: --dp-size needs a count"):
         placement.data_parallel("--dp-size many")

@@ -2,6 +2,10 @@
 
 Arguments a real server takes and this one cannot honour are refused, so the launcher's command
 line is checked as well: unknown flags are an error, as with SGLang's own argument parser.
+`--tp-size N` gives the server N ranks in the weight group (fake_sglang_ranks.py); `--dp-size`
+makes it refuse weight groups, as SGLang 0.5.23 does with data-parallel replicas. Test knobs come
+from the environment: RELAX_TEST_SGLANG_DELAY_S (per request), RELAX_TEST_SGLANG_STEP_DELAY_S
+(per decode step), RELAX_TEST_SGLANG_WARMUP_S (how long /health answers 503 after start).
 """
 
 from __future__ import annotations
@@ -18,14 +22,13 @@ def main() -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--mem-fraction-static", type=float)
     p.add_argument("--weight-version", default="default")
     p.add_argument("--skip-tokenizer-init", action="store_true")
     p.add_argument("--enable-memory-saver", action="store_true")
     p.add_argument("--enable-return-routed-experts", action="store_true")
     a = p.parse_args()
-    if a.tp_size != 1:
-        sys.exit("the test server has one tensor-parallel rank")
     record = os.environ.get("RELAX_TEST_SGLANG_ARGV")
     if record:
         with open(record, "a") as f:
@@ -43,6 +46,14 @@ def main() -> None:
         # A slow server, when a test needs generation to take time.
         "--generate-delay-s",
         os.environ.get("RELAX_TEST_SGLANG_DELAY_S", "0"),
+        "--step-delay-s",
+        os.environ.get("RELAX_TEST_SGLANG_STEP_DELAY_S", "0"),
+        "--warmup-s",
+        os.environ.get("RELAX_TEST_SGLANG_WARMUP_S", "0"),
+        "--tp-size",
+        str(a.tp_size),
+        "--dp-size",
+        str(a.dp_size),
     ]
     fake_sglang.main()
 
