@@ -22,6 +22,8 @@ from relax_core.pool.engines import (
     write_sglang_sync,
 )
 from relax_core.queue import TransferQueue
+from relax_core.rollout.expert_names import checkpoint_layout, checkpoint_names
+from relax_core.sync.buckets import TensorSpec, replayable
 
 GROUP = "weights"
 SGLANG_GROUP = "sglang"
@@ -52,8 +54,6 @@ def make_sender(cfg: RunConfig, queue: TransferQueue, specs: list[Any]):
         from relax_core.net import pod_address
 
         host = pod_address()
-    from relax_core.sync.sglang import SGLangSender
-
     broadcast = None
     if cfg.rollout.engine != "sglang" or s.actor_fwd:
         broadcast = BroadcastSender(
@@ -66,7 +66,7 @@ def make_sender(cfg: RunConfig, queue: TransferQueue, specs: list[Any]):
             host=host,
             timeout_s=s.start_timeout_s,
         )
-    sglang = SGLangSender(
+    sglang = sglang_sender(
         lambda: external_engines(cfg, queue),
         specs,
         bucket_bytes=s.bucket_mb << 20,
@@ -77,6 +77,24 @@ def make_sender(cfg: RunConfig, queue: TransferQueue, specs: list[Any]):
         previous=_previous_sglang_group(queue),
     )
     return TrainerSync(broadcast, sglang, queue)
+
+
+def sglang_sender(engines: Any, specs: list[Any], **options: Any) -> Any:
+    """SGLang's weight group for the trainer's layout `specs` (transformers' in-memory names,
+    as `TrainerSync` is given them): SGLang loads checkpoint names, so fused MoE experts are
+    planned, and sent, one expert matrix at a time."""
+    from relax_core.sync.sglang import SGLangSender
+
+    return SGLangSender(engines, checkpoint_specs(specs), **options)
+
+
+def checkpoint_specs(specs: list[TensorSpec]) -> list[TensorSpec]:
+    """`specs` under the checkpoint names SGLang loads (rollout/expert_names.py)."""
+    return [
+        TensorSpec(name, shape, spec.dtype)
+        for spec in specs
+        for name, shape in checkpoint_layout(spec.name, spec.shape)
+    ]
 
 
 def _previous_sglang_group(queue: TransferQueue) -> dict | None:
@@ -110,13 +128,15 @@ class TrainerSync:
         broadcast = self.broadcast is not None and self.broadcast.needs_reform()
         return broadcast or self.sglang.needs_reform()
 
-    def push_or_reform(self, named_tensors: Any, version: int) -> bool:
-
-        named = list(named_tensors)
+    def push_or_reform(self, weights: Any, version: int) -> bool:
+        """Push `weights` (named tensors, or a function streaming them such as a backend's
+        `named_weights`: each transport then reads its own pass, and no copy of the model is
+        kept) to the SGLang servers, then the broadcast members. True if a group re-formed."""
+        named = replayable(weights)
         # SGLang servers first: their rollout processes learn of a new version by polling, the
         # broadcast members at once; the other order would hand every admission the new
         # version opens to the broadcast members.
-        if self.sglang.push(named, version):
+        if self.sglang.push(checkpoint_names(named()), version):
             members = [name for name, _ in self.sglang.members]
             if members:  # who is at which rank, for `relax queue` and whoever debugs a hang
                 record = json.dumps(self.sglang.rendezvous, indent=1).encode()

@@ -38,6 +38,7 @@ import gc
 import json
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -66,12 +67,15 @@ from relax_core.sync.buckets import (
     LayoutMismatch,
     NamedTensors,
     TensorSpec,
+    WeightSource,
     check_tensors,
     flat_view,
     flatten_into,
     layout_fingerprint,
     layout_to_json,
     plan_buckets,
+    replayable,
+    stream_buckets,
 )
 
 
@@ -221,16 +225,18 @@ class BroadcastSender:
                 return True
         return False
 
-    def push_or_reform(self, named_tensors: NamedTensors, version: int) -> bool:
+    def push_or_reform(self, weights: WeightSource, version: int) -> bool:
         """`push`, forming a new generation first when a receiver waits for one, or when the
-        push fails because a member died (then the whole update goes again). True if reformed."""
-        tensors = list(check_tensors(self.specs, named_tensors).items())
+        push fails because a member died (then the whole update goes again, read anew from
+        `weights` when it is a function such as a backend's `named_weights`). True if
+        reformed."""
+        tensors = replayable(weights)
         reformed = False
         if self.needs_reform():
             self.reform()
             reformed = True
         try:
-            self.push(tensors, version)
+            self.push(tensors(), version)
             return reformed
         except (ProtocolError, ValueError):
             raise
@@ -239,7 +245,7 @@ class BroadcastSender:
         # Outside the handler: its traceback holds the failed work, and through it the old
         # group, whose connections must close for the survivors to notice and rejoin.
         self.reform()
-        self.push(tensors, version)
+        self.push(tensors(), version)
         return True
 
     def reform(self) -> None:
@@ -281,16 +287,17 @@ class BroadcastSender:
         self._state = "paused"
 
     def send(self, named_tensors: NamedTensors, version: int) -> None:
-        """Broadcast every bucket; ValueError (nothing sent) if a tensor is missing or misfits."""
+        """Broadcast every bucket as the tensors arrive (buckets.stream_buckets); a list with a
+        missing or misfit tensor is refused before anything is sent."""
         self._expect("paused", "send()")
-        tensors = check_tensors(self.specs, named_tensors)
+        if self._version is not None and version != self._version:
+            raise ValueError(f"send(version={version}) after pause(version={self._version})")
+        stream = stream_buckets(self.specs, self.buckets, named_tensors)
         if self._version is None:
             self._header(UPDATE, version)
             self._version = version
-        elif version != self._version:
-            raise ValueError(f"send(version={version}) after pause(version={self._version})")
         with torch.no_grad():
-            self._broadcast_buckets(tensors)
+            self._broadcast_buckets(stream)
         self._state = "sent"
 
     def resume(self) -> None:
@@ -308,10 +315,11 @@ class BroadcastSender:
         self._state = "idle"
 
     def push(self, named_tensors: NamedTensors, version: int) -> None:
-        """pause -> send -> resume: one complete update (checked before anything is sent)."""
-        tensors = list(check_tensors(self.specs, named_tensors).items())
+        """pause -> send -> resume: one complete update, streamed bucket by bucket."""
+        if not isinstance(named_tensors, Iterator):
+            check_tensors(self.specs, named_tensors)  # a misfit list sends not even a header
         self.pause(version)
-        self.send(tensors, version)
+        self.send(named_tensors, version)
         self.resume()
 
     # ------------------------------------------------------------------ internals
@@ -326,15 +334,17 @@ class BroadcastSender:
         header = torch.tensor([op, version, len(self.buckets)], dtype=torch.int64)
         dist.broadcast(header.to(self._ctrl_device), src=0, group=self._ctrl)
 
-    def _broadcast_buckets(self, tensors: dict[str, torch.Tensor]) -> None:
+    def _broadcast_buckets(self, stream) -> None:
         # Two buffers: bucket i is flattened while bucket i-1 is on the wire. One broadcast at
         # a time: a second in flight only splits the same link (and, on few cores, the CPU).
+        # closing: a failed broadcast still reads the rest of the stream (buckets.finish).
         in_flight: dist.Work | None = None
-        for i, bucket in enumerate(self.buckets):
-            flat = self._flat(bucket, tensors, i % 2)
-            if in_flight is not None:
-                in_flight.wait()
-            in_flight = dist.broadcast(flat, src=0, async_op=True, group=self._pg)
+        with contextlib.closing(stream):
+            for i, bucket, tensors in stream:
+                flat = self._flat(bucket, tensors, i % 2)
+                if in_flight is not None:
+                    in_flight.wait()
+                in_flight = dist.broadcast(flat, src=0, async_op=True, group=self._pg)
         if in_flight is not None:
             in_flight.wait()
 

@@ -9,15 +9,29 @@ two ends refuse a mismatched layout at init instead of loading garbage.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+WeightSource = Callable[[], NamedTensors] | NamedTensors
+"""What a sender pushes: named tensors, or a function that streams them anew (a backend's
+`named_weights`), so an update that must go again after a group re-forms can be read again
+without keeping a copy of the model."""
+
+
+def replayable(weights: WeightSource) -> Callable[[], NamedTensors]:
+    """`weights` as a function giving the tensors each call: itself when it is one, else the
+    tensors read once into a list."""
+    if callable(weights):
+        return weights
+    kept = list(weights)
+    return lambda: kept
 
 
 class LayoutMismatch(ValueError):
@@ -144,25 +158,85 @@ def layout_difference(ours: list[TensorSpec], theirs: list[TensorSpec]) -> str:
 
 def check_tensors(specs: list[TensorSpec], named_tensors: NamedTensors) -> dict[str, torch.Tensor]:
     """name -> tensor for exactly the tensors of `specs`; ValueError naming the first misfit."""
+    by_name = {s.name: s for s in specs}
+    seen: set[str] = set()
     got: dict[str, torch.Tensor] = {}
     for name, tensor in named_tensors:
-        if name in got:
-            raise ValueError(f"tensor {name!r} is given twice")
+        _check_one(by_name, seen, name, tensor)
         got[name] = tensor
-    expected = {s.name for s in specs}
     for spec in specs:
-        tensor = got.get(spec.name)
-        if tensor is None:
+        if spec.name not in got:
             raise ValueError(f"tensor {spec.name!r} of the weight layout is missing")
-        if tuple(tensor.shape) != spec.shape or dtype_name(tensor.dtype) != spec.dtype:
-            raise ValueError(
-                f"tensor {spec.name!r} is {list(tensor.shape)} {dtype_name(tensor.dtype)}; "
-                f"the weight layout says {list(spec.shape)} {spec.dtype}"
-            )
-    unknown = [n for n in got if n not in expected]
-    if unknown:
-        raise ValueError(f"tensor {unknown[0]!r} is not in the weight layout ({len(unknown)} such)")
     return got
+
+
+def stream_buckets(
+    specs: list[TensorSpec], buckets: list[Bucket], named_tensors: NamedTensors
+) -> Iterator[tuple[int, Bucket, dict[str, torch.Tensor]]]:
+    """(index, bucket, name -> tensor) for each bucket of the plan in order, as soon as
+    `named_tensors` has delivered its tensors.
+
+    A stream (an iterator, such as a backend's `named_weights()`, whose tensors may be gathered
+    or cast copies) is read as the buckets go: in layout order only about one bucket of its
+    tensors is held at a time, never the whole model. Each tensor is checked as it arrives; a
+    misfit, an unknown or repeated name, or a tensor missing at the end is a ValueError after
+    the buckets before it went out. A list or dict is checked whole first: a misfit sends
+    nothing. Either way the stream is read to its end (a collective `named_weights` needs
+    every rank to finish it).
+    """
+    if not isinstance(named_tensors, Iterator):
+        checked = check_tensors(specs, named_tensors)
+        return ((i, b, {s.name: checked[s.name] for s in b.specs}) for i, b in enumerate(buckets))
+    return _stream(specs, buckets, named_tensors)
+
+
+def _stream(
+    specs: list[TensorSpec], buckets: list[Bucket], stream: Iterator[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[int, Bucket, dict[str, torch.Tensor]]]:
+    by_name = {s.name: s for s in specs}
+    seen: set[str] = set()
+    pending: dict[str, torch.Tensor] = {}
+    try:
+        for i, bucket in enumerate(buckets):
+            for spec in bucket.specs:
+                while spec.name not in pending:
+                    item = next(stream, None)
+                    if item is None:
+                        raise ValueError(f"tensor {spec.name!r} of the weight layout is missing")
+                    name, tensor = item
+                    _check_one(by_name, seen, name, tensor)
+                    pending[name] = tensor
+            yield i, bucket, {s.name: pending.pop(s.name) for s in bucket.specs}
+        extra = next(stream, None)
+        if extra is not None:
+            raise ValueError(f"tensor {extra[0]!r} is not in the weight layout")
+    finally:
+        pending.clear()
+        finish(stream)
+
+
+def finish(stream: Iterator) -> None:
+    """Read what is left of `stream`, whatever it raises: a backend's `named_weights` is a
+    collective that every rank must run to its end, also when this rank's send failed."""
+    with contextlib.suppress(Exception):
+        for _ in stream:
+            pass
+
+
+def _check_one(
+    by_name: dict[str, TensorSpec], seen: set[str], name: str, tensor: torch.Tensor
+) -> None:
+    spec = by_name.get(name)
+    if spec is None:
+        raise ValueError(f"tensor {name!r} is not in the weight layout")
+    if name in seen:
+        raise ValueError(f"tensor {name!r} is given twice")
+    seen.add(name)
+    if tuple(tensor.shape) != spec.shape or dtype_name(tensor.dtype) != spec.dtype:
+        raise ValueError(
+            f"tensor {name!r} is {list(tensor.shape)} {dtype_name(tensor.dtype)}; "
+            f"the weight layout says {list(spec.shape)} {spec.dtype}"
+        )
 
 
 def flatten_into(bucket: Bucket, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:

@@ -21,7 +21,9 @@ class InProcessSync:
             engine.pause()
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        tensors = list(named_tensors)
+        # One engine (colocate) takes the tensors as they come: a trainer's named weights may
+        # be cast or gathered copies, and a list of them would be a second model in memory.
+        tensors = named_tensors if len(self.engines) == 1 else list(named_tensors)
         for engine in self.engines:
             engine.update_weights(tensors, version)
 

@@ -40,6 +40,7 @@ from relax_core.sync.buckets import (
     layout_from_json,
     layout_to_json,
     plan_buckets,
+    stream_buckets,
 )
 
 WEIGHTS = "weights"
@@ -112,9 +113,11 @@ class ObjectStoreSender:
         self._state = "paused"
 
     def send(self, named_tensors: NamedTensors, version: int) -> None:
-        """Write every bucket of `version`; ValueError (nothing written) if a tensor misfits."""
+        """Write every bucket of `version` as its tensors arrive (buckets.stream_buckets); a
+        misfit leaves the version uncommitted, which receivers never read (a list with a misfit
+        writes nothing)."""
         self._expect("paused", "send()")
-        tensors = check_tensors(self.specs, named_tensors)
+        stream = stream_buckets(self.specs, self.buckets, named_tensors)
         if self._version is not None and version != self._version:
             raise ValueError(f"send(version={version}) after pause(version={self._version})")
         self._version = version
@@ -122,10 +125,13 @@ class ObjectStoreSender:
             for stale in _versions(self.store):
                 if stale >= version:
                     _delete_version(self.store, stale)
-        for i, bucket in enumerate(self.buckets):
-            named = {s.name: tensors[s.name].detach().to("cpu").contiguous() for s in bucket.specs}
-            data = save_safetensors(named, metadata={"version": str(version), "bucket": str(i)})
-            self.store.write_immutable(bucket_path(version, i), data)
+        with contextlib.closing(stream):  # a failed write still reads the rest of the stream
+            for i, bucket, tensors in stream:
+                named = {
+                    s.name: tensors[s.name].detach().to("cpu").contiguous() for s in bucket.specs
+                }
+                meta = {"version": str(version), "bucket": str(i)}
+                self.store.write_immutable(bucket_path(version, i), save_safetensors(named, meta))
         self._state = "sent"
 
     def resume(self) -> None:
@@ -150,9 +156,8 @@ class ObjectStoreSender:
 
     def push(self, named_tensors: NamedTensors, version: int) -> None:
         """pause -> send -> resume: one complete, committed version."""
-        tensors = list(check_tensors(self.specs, named_tensors).items())
         self.pause(version)
-        self.send(tensors, version)
+        self.send(named_tensors, version)
         self.resume()
 
     def _prune(self) -> None:

@@ -206,3 +206,66 @@ def test_apply_update_gives_the_update_back_after_the_engine_copied_it():
     update = (3, [])
     apply_update(engine, update, released.append)
     assert released == [update] and engine.calls == ["pause", "update 3", "resume"]
+
+
+def _counted_stream(specs: list[TensorSpec], alive: list[int], peak: list[int]):
+    """Fresh tensors for `specs` in order (as a gathering backend yields them), counting how
+    many are alive at once."""
+    import weakref
+
+    def gone():
+        alive[0] -= 1
+
+    for spec in specs:
+        tensor = torch.full(spec.shape, 1.0, dtype=spec.torch_dtype)
+        alive[0] += 1
+        peak[0] = max(peak[0], alive[0])
+        weakref.finalize(tensor, gone)
+        yield spec.name, tensor
+        del tensor
+
+
+def test_a_stream_is_sent_holding_about_one_bucket_not_the_model():
+    from relax_core.sync.buckets import stream_buckets
+
+    specs = [TensorSpec(f"w{i}", (256,), "float32") for i in range(40)]  # 1 KiB each
+    buckets = plan_buckets(specs, 4 << 10)  # 4 tensors per bucket, 10 buckets
+    alive, peak = [0], [0]
+    sent = []
+    for i, bucket, tensors in stream_buckets(specs, buckets, _counted_stream(specs, alive, peak)):
+        sent.append((i, [s.name for s in bucket.specs], sorted(tensors)))
+        del tensors
+        gc.collect()
+    assert [i for i, _, _ in sent] == list(range(10))
+    assert all(sorted(names) == got for _, names, got in sent)
+    assert peak[0] <= 5  # one bucket and the tensor that opens the next, never the 40
+    # A list keeps its own tensors alive; it is checked whole before anything is yielded.
+    with pytest.raises(ValueError, match="'w39' of the weight layout is missing"):
+        stream_buckets(specs, buckets, [(s.name, torch.ones(256)) for s in specs[:-1]])
+
+
+def test_a_stream_that_misfits_is_stopped_at_the_misfit_and_read_to_its_end():
+    from relax_core.sync.buckets import stream_buckets
+
+    specs = [TensorSpec(f"w{i}", (4,), "float32") for i in range(6)]
+    buckets = plan_buckets(specs, 32)  # 2 tensors per bucket
+    read = []
+
+    def stream(extra: bool):
+        for spec in specs:
+            read.append(spec.name)
+            yield spec.name, torch.ones(4)
+        if extra:
+            yield "stray", torch.ones(4)
+            read.append("after-stray")
+            yield "w7", torch.ones(4)
+            read.append("end")
+
+    assert len(list(stream_buckets(specs, buckets, stream(False)))) == 3
+    read.clear()
+    with pytest.raises(ValueError, match="'stray' is not in the weight layout"):
+        list(stream_buckets(specs, buckets, stream(True)))
+    assert read[-1] == "end"  # the other ranks of a gathering backend finish their pass too
+    bad = iter([("w0", torch.ones(4)), ("w1", torch.ones(5))])
+    with pytest.raises(ValueError, match=r"'w1' is \[5\] float32; the weight layout says \[4\]"):
+        list(stream_buckets(specs, buckets, bad))
