@@ -2,33 +2,58 @@
 
 A step of the colocate controller with this engine:
   generate (server awake) -> sleep(): /release_memory_occupation (weights and KV cache freed,
-  the trainer gets the GPU memory) -> reference, advantages, train -> update_weights(v+1): the
-  trainer's tensors as safetensors under `sglang.handoff_dir`, /resume_memory_occupation
-  {"tags": ["weights"]}, /update_weights_from_disk {model_path, weight_version} -> resume():
+  the trainer gets the GPU memory) -> reference, advantages, train -> update_weights(v+1):
+  /resume_memory_occupation {"tags": ["weights"]}, then the handover (below) -> resume():
   /resume_memory_occupation {"tags": ["kv_cache", "cuda_graph"]} -> the next step's generation.
 
+The handover, by where the trainer's tensors are:
+- on CUDA, to a server with one data-parallel replica: CUDA IPC. `/begin_weight_update`, then per
+  bucket (at most `bucket_bytes`) `/update_weights_from_tensor {serialized_named_tensors,
+  flush_cache, weight_version}` with one payload per TP rank (each rank opens its own, SGLang:
+  TpModelWorker.deserialize_own_rank): torch's ForkingPickler bytes of [(name, tensor)], each
+  tensor an IPC handle to the trainer's memory with its device named by UUID (SGLang's
+  patch_torch does the same, so the handle survives a different CUDA_VISIBLE_DEVICES), base64
+  for JSON; the last carries the version and the cache flush (the server sleeps, so its
+  scheduler is idle and the flush goes through); then `/end_weight_update`. Nothing is copied
+  but by the server, from the trainer's memory into its own. SGLang unpickles the payload (with
+  an allow-list), so this path only runs between a trainer and a server in the same pod (the
+  only place an IPC handle means anything);
+- otherwise (CPU tensors; or `--dp-size` > 1, which SGLang 0.5.23 refuses for tensor updates):
+  safetensors under `sglang.handoff_dir` (node-local memory) and `/update_weights_from_disk
+  {model_path, weight_version, flush_cache}`.
+
 The generation RNG is the server's (its sampling seed), not saved in our checkpoints.
-Weights go through node-local files, not a process group: a trainer rank and an SGLang rank on
-the same GPU cannot be two members of one NCCL group. The server must be started with
+Weights never go through a process group: a trainer rank and an SGLang rank on the same GPU
+cannot be two members of one NCCL group. The server must be started with
 `--enable-memory-saver` for the release to free anything.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import io
+import itertools
+import logging
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 from safetensors.torch import save_file
+from torch.multiprocessing import reductions
 
 from relax_core.rollout.engine import Completion, SamplingParams
+from relax_core.rollout.expert_names import checkpoint_names
 from relax_core.rollout.sglang_engine import SGLangEngine
 from relax_core.rollout.sglang_server import SGLangServer
 
+log = logging.getLogger(__name__)
+
 ALL_TAGS = ["weights", "kv_cache", "cuda_graph"]
 """SGLang's memory tags (torch_memory_saver regions)."""
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 
 class ColocatedSGLang:
@@ -41,12 +66,16 @@ class ColocatedSGLang:
         policy_dir: str,
         release_memory: bool = True,
         server: SGLangServer | None = None,
+        bucket_bytes: int = 512 << 20,
     ) -> None:
         self.engine = engine
         self.handoff_dir = handoff_dir
         self.policy_dir = policy_dir
         self.release_memory = release_memory
         self.server = server
+        self.bucket_bytes = bucket_bytes
+        """At most this many bytes of tensors per /update_weights_from_tensor call."""
+        self._shape: tuple[int, int] | None = None
         self.released: set[str] = set()
         """Memory tags the server has given back (all of them while the trainer runs)."""
 
@@ -70,14 +99,67 @@ class ColocatedSGLang:
             self.engine.release_memory(ALL_TAGS)
             self.released = set(ALL_TAGS)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int):
-        """Hand the trainer's weights over as files and load them as `version`."""
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        """Hand the trainer's weights over (CUDA IPC or files, see the module doc) and load
+        them as `version`, under the checkpoint names SGLang loads (MoE experts per expert)."""
+        named = checkpoint_names(named_tensors)
+        first = next(named, None)
+        if first is None:
+            raise ValueError("update_weights got no tensors")
+        named = itertools.chain([first], named)
+        if "weights" in self.released:
+            self.engine.resume_memory(["weights"])
+            self.released.discard("weights")
+        tp_size, dp_size = self._server_shape()
+        if first[1].is_cuda and dp_size == 1:
+            self._update_by_ipc(named, version, tp_size)
+        else:
+            self._update_from_disk(named, version)
+        self.engine.version = version
+
+    def _server_shape(self) -> tuple[int, int]:
+        """(tp_size, dp_size) of the server, asked once."""
+        if self._shape is None:
+            info = self.engine.client.get("/get_server_info")
+            self._shape = (int(info.get("tp_size", 1)), int(info.get("dp_size", 1)))
+            if self._shape[1] > 1:
+                log.info(
+                    "the SGLang server runs %d data-parallel replicas, which SGLang refuses "
+                    "tensor updates for: weights go through %s",
+                    self._shape[1],
+                    self.handoff_dir,
+                )
+        return self._shape
+
+    def _update_by_ipc(self, named: Iterator, version: int, tp_size: int) -> None:
+        client = self.engine.client
+        client.post_ok("/begin_weight_update", {})
+        try:
+            batches = _batches(named, self.bucket_bytes)
+            batch = next(batches)
+            for following in itertools.chain(batches, [None]):
+                last = following is None
+                body = {
+                    "serialized_named_tensors": ipc_payloads(batch, tp_size),
+                    "flush_cache": last,
+                }
+                if last:
+                    body["weight_version"] = str(version)
+                client.post_ok("/update_weights_from_tensor", body)
+                batch = following
+        except BaseException:
+            with contextlib.suppress(Exception):
+                client.post_ok("/end_weight_update", {})
+            raise
+        client.post_ok("/end_weight_update", {})
+
+    def _update_from_disk(self, named: Iterator, version: int) -> None:
         target = os.path.join(self.handoff_dir, f"v{version:06d}")
         partial = f"{target}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
         try:
-            tensors = {n: t.detach().to("cpu").contiguous() for n, t in named_tensors}
+            tensors = {n: t.detach().to("cpu").contiguous() for n, t in named}
             save_file(tensors, os.path.join(partial, "model.safetensors"))
             for name in ("config.json", "generation_config.json"):
                 src = os.path.join(self.policy_dir, name)
@@ -89,16 +171,12 @@ class ColocatedSGLang:
         shutil.rmtree(target, ignore_errors=True)
         os.replace(partial, target)
         try:
-            if "weights" in self.released:
-                self.engine.resume_memory(["weights"])
-                self.released.discard("weights")
             self.engine.client.post_ok(
                 "/update_weights_from_disk",
                 {"model_path": target, "weight_version": str(version), "flush_cache": True},
             )
         finally:
             shutil.rmtree(target, ignore_errors=True)  # loaded (or refused): never read again
-        self.engine.version = version
 
     def pause(self) -> None:
         pass  # colocate: nothing generates while the trainer's weights arrive
@@ -139,4 +217,47 @@ def start_colocated(cfg, policy_dir: str, version: int, run_dir: str) -> Colocat
     engine = SGLangEngine(client, g.pause_mode, routed_experts=replay)
     engine.version = version
     handoff = os.path.join(g.handoff_dir, os.path.basename(run_dir.rstrip("/")))
-    return ColocatedSGLang(engine, handoff, policy_dir, g.release_memory, server)
+    bucket_bytes = cfg.services.bucket_mb << 20
+    return ColocatedSGLang(engine, handoff, policy_dir, g.release_memory, server, bucket_bytes)
+
+
+def _batches(named: Iterator, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """(name, tensor) pairs in runs of at most `bucket_bytes` (a larger tensor goes alone), read
+    lazily, so a trainer whose weights are converted on the way (float32 master weights sent
+    as bf16) holds one run of converted tensors at a time."""
+    batch: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        tensor = tensor.detach()
+        if batch and size + tensor.nbytes > bucket_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append((name, tensor))
+        size += tensor.nbytes
+    if batch:
+        yield batch
+
+
+def ipc_payloads(named: list[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
+    """`serialized_named_tensors` of SGLang's /update_weights_from_tensor: one base64 payload
+    of [(name, tensor)] per TP rank, CUDA tensors as IPC handles. Each rank gets its own
+    serialization: torch counts an IPC handle's consumers per serialization."""
+    payloads = []
+    for _ in range(tp_size):
+        buffer = io.BytesIO()
+        pickler = ForkingPickler(buffer)
+        pickler.dispatch_table[torch.Tensor] = _reduce_naming_device_by_uuid
+        pickler.dump(named)
+        payloads.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
+    return payloads
+
+
+def _reduce_naming_device_by_uuid(tensor: torch.Tensor):
+    """torch's reduction of a shared tensor, with a CUDA tensor's device index (argument 6 of
+    rebuild_cuda_tensor) replaced by the device's UUID, which SGLang maps back to its own index
+    (srt/utils/patch_torch.py, _device_from_maybe_uuid)."""
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if rebuild is reductions.rebuild_cuda_tensor:
+        uuid = str(torch.cuda.get_device_properties(args[6]).uuid)
+        args = (*args[:6], uuid, *args[7:])
+    return rebuild, args
