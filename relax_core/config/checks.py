@@ -274,11 +274,34 @@ def validate(cfg: RunSections) -> list[str]:
     positive(e, "train.torch_threads", t.torch_threads, allow_zero=True)
     if t.routing_replay:
         _check_routing_replay(e, cfg)
+    _check_lora(e, cfg)
     if not cfg.run_name or "/" in cfg.run_name:
         e.append(f"run_name: must be a non-empty name without '/', got {cfg.run_name!r}")
     if not cfg.queue.root:
         e.append("queue.root: required")
     return e
+
+
+def _check_lora(e: list[str], cfg) -> None:
+    lo = cfg.train.lora
+    positive(e, "train.lora.rank", lo.rank, allow_zero=True)
+    if lo.rank <= 0:
+        return
+    positive(e, "train.lora.alpha", lo.alpha)
+    if not 0 <= lo.dropout < 1:
+        e.append(f"train.lora.dropout: must be in [0, 1), got {lo.dropout}")
+    if not [m for m in lo.target_modules.split(",") if m.strip()]:
+        e.append("train.lora.target_modules: name at least one module (comma-separated)")
+    if cfg.train.backend != "torch":
+        e.append(
+            f"train.lora: LoRA trains with train.backend 'torch' in this build, not "
+            f"{cfg.train.backend!r} (FSDP2 and Megatron adapters are not implemented)"
+        )
+    if cfg.rollout.engine != "torch":
+        e.append(
+            f"train.lora: LoRA runs on rollout.engine 'torch' in this build, not "
+            f"{cfg.rollout.engine!r} (SGLang adapter loading is not implemented)"
+        )
 
 
 def _check_storage(e: list[str], cfg) -> None:

@@ -248,6 +248,19 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank r (0 = off: train every weight)."""
+    alpha: float = 16.0
+    """LoRA alpha; the adapter's output is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training."""
+    target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    """Comma-separated names of the linear layers that get an adapter (the policy's own module
+    names; these are Qwen/Llama's attention and MLP projections)."""
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     total_steps: int = 100
     """Optimizer steps of RL (the final policy version)."""
@@ -288,6 +301,9 @@ class TrainConfig:
     moe_aux_loss_coef: float = 0.0
     """MoE router load-balancing loss coefficient (Megatron backend); 0 keeps the policy
     gradient the RL loss's alone (pretraining used ~1e-3)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Train low-rank adapters on a frozen policy instead of every weight (rank > 0): the
+    optimizer holds the adapters only, and weight sync moves only them."""
 
 
 @dataclass(frozen=True)

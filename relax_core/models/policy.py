@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from relax_core.models.lora import has_adapter, load_adapter
 from relax_core.models.omni import SPEC_FILE as OMNI_SPEC_FILE
 from relax_core.models.omni import load_omni
 
@@ -32,6 +33,8 @@ def load_policy(directory: str, dtype: str = "float32", video_fps: float = 2.0):
         else:
             model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype))
         tokenizer = AutoTokenizer.from_pretrained(directory)
+    if has_adapter(directory):  # a LoRA policy: base weights here, the adapter beside them
+        load_adapter(model, directory)
     return model, for_generation(tokenizer)
 
 

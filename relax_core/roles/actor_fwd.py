@@ -14,6 +14,7 @@ from relax_core.roles.reference import add_ref_logprobs
 
 
 def serve(ctx) -> None:
+    from relax_core.models.lora import synced_weights
     from relax_core.models.policy import load_policy, on_accelerator
     from relax_core.pool.weights import make_receiver
     from relax_core.roles.media import resolver_for
@@ -32,7 +33,7 @@ def serve(ctx) -> None:
         attach_routing_replay(model)
     resolver = resolver_for(cfg, model)
     holder = _WeightHolder(model, int(read_state(ctx.checkpoint)["policy_version"]))
-    receiver = make_receiver(cfg, ctx.queue, specs_of(model.named_parameters()), "actor_fwd", 0)
+    receiver = make_receiver(cfg, ctx.queue, specs_of(synced_weights(model)), "actor_fwd", 0)
     ctx.status["state"] = "joining weight sync"
     receiver.init()
     receiver.start()

@@ -191,6 +191,7 @@ _DRAIN_CHECK_S = 0.5
 
 def _local_engine(ctx, state: dict[str, Any]):
     """A torch engine on the checkpoint's policy, fed by the trainer's weight transport."""
+    from relax_core.models.lora import synced_weights
     from relax_core.models.policy import load_policy, on_accelerator
     from relax_core.pool.engine_weights import LocalWeights
     from relax_core.pool.weights import make_receiver
@@ -213,9 +214,7 @@ def _local_engine(ctx, state: dict[str, Any]):
         seed=cfg.seed * 1_000_003 + ctx.worker * 7919 + version,
     )
     engine.version = version
-    receiver = make_receiver(
-        cfg, ctx.queue, specs_of(model.named_parameters()), "rollout", ctx.worker
-    )
+    receiver = make_receiver(cfg, ctx.queue, specs_of(synced_weights(model)), "rollout", ctx.worker)
     return engine, LocalWeights(engine, receiver, ctx.status), tokenizer
 
 

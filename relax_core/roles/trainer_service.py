@@ -92,6 +92,7 @@ def _entry_metrics(metas: list[dict[str, Any]]) -> dict[str, float]:
 
 class AsyncTrainer:
     def __init__(self, ctx: RoleContext) -> None:
+        from relax_core.models.lora import is_lora, synced_weights
         from relax_core.pool.weights import make_sender
         from relax_core.roles.cores import CoreShare
         from relax_core.roles.media import resolver_for
@@ -122,9 +123,9 @@ class AsyncTrainer:
             self.backend.before_micro_batch = self._take_free_cores
         self.pool = ReadyPool(ctx, self.state.ready_cursor)
         self.media = resolver_for(cfg, self.model)
-        self.sender = make_sender(
-            cfg, ctx.queue, specs_of(self.model.named_parameters(), cfg.model.dtype)
-        )
+        # The layout engines hold: every weight in model.dtype, or a LoRA policy's adapter.
+        published = None if is_lora(self.model) else cfg.model.dtype
+        self.sender = make_sender(cfg, ctx.queue, specs_of(synced_weights(self.model), published))
         self.run_dir = join(cfg.checkpoint.dir, self.state.run_id)
         self._eval = None
         self._eval_copy = None

@@ -127,15 +127,16 @@ class ColocateController:
         ]
         frozen = [(model, column, media) for model, column, media in frozen if model is not None]
         for model, column, media in frozen:
-            table = add_ref_logprobs(
-                model,
-                table,
-                s.pad_token_id,
-                cfg.train.micro_batch_tokens,
-                cfg.rollout.temperature,
-                column,
-                media,
-            )
+            with s.ref_logprobs_context(model):
+                table = add_ref_logprobs(
+                    model,
+                    table,
+                    s.pad_token_id,
+                    cfg.train.micro_batch_tokens,
+                    cfg.rollout.temperature,
+                    column,
+                    media,
+                )
         if frozen:
             s.queue.put("ref", table, {"policy_version": v})
             table = self._consume("ref")

@@ -7,6 +7,7 @@ checkpoint and save itself into one; the controller decides when.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 
@@ -14,6 +15,7 @@ import torch
 
 from relax_core.config import RunConfig
 from relax_core.data.cursor import DatasetCursor
+from relax_core.models import lora
 from relax_core.models.policy import load_policy, load_teacher, on_accelerator
 from relax_core.models.routing_replay import attach_routing_replay
 from relax_core.queue import open_queue
@@ -42,6 +44,7 @@ class RunSession:
         # The trainer's parameters (float32 master weights); engine and reference hold copies
         # in model.dtype.
         self.model, self.tokenizer = load_policy(model_dir, trainer_dtype(cfg, self.backend_name))
+        self.model = lora.for_run(self.model, cfg.train.lora, cfg.seed)
         self.pad_token_id = self.tokenizer.pad_token_id
         self.run_dir = join(cfg.checkpoint.dir, state.run_id)
         """Where the run's checkpoints and reports go (a local directory or a URL)."""
@@ -49,7 +52,11 @@ class RunSession:
         self.backend = make_backend(self.model, cfg, self.backend_name)
         self.sync = InProcessSync([self.engine])
         self.ref_model = None
-        if cfg.algorithm.kl_coef > 0:
+        """The KL anchor (the starting policy); a LoRA run's is the policy itself with its
+        adapters off (`ref_logprobs` below), no second copy."""
+        if cfg.algorithm.kl_coef > 0 and lora.is_lora(self.model):
+            self.ref_model = self.model
+        elif cfg.algorithm.kl_coef > 0:
             self.ref_model = on_accelerator(self._copy_in_model_dtype()).eval()
             self.ref_model.requires_grad_(False)
         self.teacher_model = None
@@ -92,7 +99,8 @@ class RunSession:
         session = cls(cfg, path, state)
         if has_training_state(path, session.backend_name):
             session.backend.load(path)
-        if session.ref_model is not None and state.policy_dir:
+        ref = session.ref_model
+        if ref is not None and ref is not session.model and state.policy_dir:
             # The KL anchor is the starting policy, not the checkpoint being resumed.
             start = local_policy(state.policy_dir, options, scratch)
             session.ref_model, _ = load_policy(start, cfg.model.dtype)
@@ -116,8 +124,17 @@ class RunSession:
         return engine
 
     def _copy_in_model_dtype(self) -> torch.nn.Module:
-        """A copy of the policy in model.dtype (the trainer's may be float32 master weights)."""
-        return copy.deepcopy(self.model).to(getattr(torch, self.cfg.model.dtype))
+        """A copy of the policy in model.dtype (the trainer's may be float32 master weights;
+        LoRA adapters stay float32, as the trainer's)."""
+        copied = copy.deepcopy(self.model).to(getattr(torch, self.cfg.model.dtype))
+        return lora.adapters_in_float32(copied)
+
+    def ref_logprobs_context(self, model: torch.nn.Module):
+        """What scoring `model` as the KL anchor runs under: the policy's adapters off when
+        the anchor is the LoRA policy itself."""
+        if model is self.model and lora.is_lora(model):
+            return lora.adapters_disabled(model)
+        return contextlib.nullcontext()
 
     def _engine_rng(self) -> dict[str, str]:
         """The torch engine's sampling RNG (an SGLang server keeps its own)."""

@@ -33,10 +33,12 @@ def trainer_policy(cfg: RunConfig, checkpoint: str):
     `trainer_dtype`, or for Megatron, which reads its own shards from `checkpoint`, the HF
     architecture on the meta device (names and shapes for the weight-sync layout, no weights
     in host memory)."""
+    from relax_core.models.lora import for_run
     from relax_core.models.policy import load_policy, load_tokenizer
 
     if cfg.train.backend != "megatron":
-        return load_policy(checkpoint, trainer_dtype(cfg))
+        model, tokenizer = load_policy(checkpoint, trainer_dtype(cfg))
+        return for_run(model, cfg.train.lora, cfg.seed), tokenizer
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(checkpoint)
@@ -51,8 +53,11 @@ MASTER_DTYPE = "float32"
 
 def trainer_dtype(cfg: RunConfig, backend: str | None = None) -> str:
     """The dtype to load the policy in for `make_backend` (float32 master weights for torch and
-    fsdp; Megatron converts from `model.dtype` and keeps its own float32 main parameters)."""
-    return cfg.model.dtype if (backend or cfg.train.backend) == "megatron" else MASTER_DTYPE
+    fsdp; Megatron converts from `model.dtype` and keeps its own float32 main parameters; a
+    LoRA run trains float32 adapters on a frozen base in `model.dtype`)."""
+    if (backend or cfg.train.backend) == "megatron" or cfg.train.lora.rank > 0:
+        return cfg.model.dtype  # LoRA: the base is frozen, the adapters are float32 already
+    return MASTER_DTYPE
 
 
 def make_backend(model, cfg: RunConfig, backend: str | None = None, source: str | None = None):

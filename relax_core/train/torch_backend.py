@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, PreTrainedModel
 
 from relax_core.config import TrainConfig
+from relax_core.models.lora import adapter_weights, base_state_dict, is_lora, save_adapter
 from relax_core.models.routing_replay import attach_routing_replay, routing_of
 from relax_core.multimodal.protocol import MultimodalDecoder
 from relax_core.train.backend import MASTER_WEIGHTS_FILE, MicroBatchLoss
@@ -244,13 +245,23 @@ class TorchBackend:
         return self.weights_dtype != next(self.model.parameters()).dtype
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights engines take: a LoRA policy's adapter (float32, as the engines hold
+        it), else every parameter in `weights_dtype`."""
+        if is_lora(self.model):
+            yield from adapter_weights(self.model)
+            return
         for name, param in self.model.named_parameters():
             yield name, param.detach().to(self.weights_dtype)
 
     def save(self, directory: str) -> None:
         """The policy in `weights_dtype` (safetensors, what engines and evaluation load), the
-        optimizer state and, with master weights, those in float32."""
-        if self.keeps_master:
+        optimizer state and, with master weights, those in float32. A LoRA policy: its frozen
+        base under plain HF names and the adapter in PEFT's format (models/lora.py)."""
+        if is_lora(self.model):
+            base = {k: v.to(self.weights_dtype) for k, v in base_state_dict(self.model).items()}
+            self.model.save_pretrained(directory, state_dict=base, safe_serialization=True)
+            save_adapter(self.model, directory)
+        elif self.keeps_master:
             state = {k: v.to(self.weights_dtype) for k, v in self.model.state_dict().items()}
             self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
             save_master_weights(self.model.named_parameters(), directory)
