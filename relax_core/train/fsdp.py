@@ -34,6 +34,12 @@ from transformers import PreTrainedModel
 from relax_core.config import TrainConfig
 from relax_core.train.backend import MASTER_WEIGHTS_FILE, MicroBatchLoss
 from relax_core.train.batch import MicroBatch
+from relax_core.train.data_parallel import (
+    broadcast_owned,
+    dp_share,
+    sum_over_group,
+    zero_weighted,
+)
 from relax_core.train.torch_backend import (
     ResponseScorer,
     TorchBackend,
@@ -93,20 +99,9 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _zero_weighted(loss_fn: MicroBatchLoss) -> MicroBatchLoss:
-    """`loss_fn` scaled by 0: a forward/backward that adds nothing but keeps a rank's
-    collectives paired with the others'."""
-
-    def zero(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch):
-        loss, metrics = loss_fn(logprobs, entropy, mb)
-        return loss * 0.0, {k: torch.as_tensor(v) * 0.0 for k, v in metrics.items()}
-
-    return zero
-
-
 class FSDPBackend:
     """A `TrainBackend` over an FSDP2-sharded model: rank r of W takes micro-batches r, r+W, ...
-    of each step. The loss functions normalise by the whole step's token/sequence counts (each
+    of each step (train/data_parallel.py). The loss functions normalise by the whole step's token/sequence counts (each
     micro-batch's loss is its share of the step loss), so gradients are summed across ranks,
     not averaged: W ranks then give the gradient of one process running every micro-batch."""
 
@@ -136,46 +131,38 @@ class FSDPBackend:
     def _to_device(self, mb: MicroBatch) -> MicroBatch:
         return mb.to(self.device)
 
-    def _rounds(self, micro_batches: list[MicroBatch]) -> int:
-        return -(-len(micro_batches) // self.world)
-
     @torch.no_grad()
     def logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
         """Each rank scores its share; every rank returns all of them (broadcast by owner)."""
         mbs = [self._to_device(mb) for mb in micro_batches]
-        mine = {i: self.inner._forward(mbs[i])[0] for i in range(self.rank, len(mbs), self.world)}
-        for _ in range(len(mine), self._rounds(mbs)):
+        share = dp_share(len(mbs), self.rank, self.world)
+        mine = {i: self.inner._forward(mbs[i])[0] for i in share.indices}
+        for _ in range(share.padding):
             self.inner._forward(mbs[0])  # keeps the all-gathers paired across ranks
-        out = []
-        for i, mb in enumerate(mbs):
+
+        def empty(mb: MicroBatch) -> torch.Tensor:
             shape = (mb.num_seqs, mb.response_ids.shape[1])
-            logp = mine.get(i, torch.empty(shape, dtype=torch.float32, device=self.device))
-            dist.broadcast(logp, group_src=i % self.world, group=self.group)
-            out.append(logp)
-        return out
+            return torch.empty(shape, dtype=torch.float32, device=self.device)
+
+        return broadcast_owned(mbs, mine, self.group, self.world, empty)
 
     def train_step(
         self, micro_batches: list[MicroBatch], loss_fn: MicroBatchLoss
     ) -> dict[str, float]:
         mbs = [self._to_device(mb) for mb in micro_batches]
-        mine = mbs[self.rank :: self.world]
+        share = dp_share(len(mbs), self.rank, self.world)
         total_seqs = sum(mb.num_seqs for mb in mbs)
         self.inner.optimizer.zero_grad(set_to_none=True)
+        mine = [mbs[i] for i in share.indices]
         sums = self.inner.accumulate_gradients(mine, loss_fn, total_seqs)
-        if len(mine) < self._rounds(mbs):
-            padding = self.inner.accumulate_gradients(mbs[:1], _zero_weighted(loss_fn), total_seqs)
+        if share.padding:
+            padding = self.inner.accumulate_gradients(
+                mbs[:1] * share.padding, zero_weighted(loss_fn), total_seqs
+            )
             sums = {k: sums.get(k, 0.0) + v for k, v in padding.items()}
-        metrics = self._sum_across_ranks(sums)
+        metrics = sum_over_group(sums, self.group, self.device)
         metrics.update(self.inner.apply_gradients())  # grad norm: a DTensor reduced over ranks
         return metrics
-
-    def _sum_across_ranks(self, sums: dict[str, float]) -> dict[str, float]:
-        """Each rank's metric sums are its rows' share of the step mean; their sum is the mean.
-        Assumes the loss reports the same metric names for every micro-batch."""
-        keys = sorted(sums)
-        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(values, group=self.group)
-        return dict(zip(keys, values.tolist(), strict=True))
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full (unsharded) weights by HF name, in the dtype engines hold. Collective: each

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from transformers import Qwen3MoeConfig
 
 from relax_core.config import load_config
+from relax_core.train.data_parallel import dp_share
 from relax_core.train.megatron.assemble import hf_sources, mcore_tensor_from_hf
 from relax_core.train.megatron.checkpoint import SafetensorsCheckpoint, state_reader
 from relax_core.train.megatron.config import (
@@ -22,7 +23,6 @@ from relax_core.train.megatron.config import (
     transformer_config_kwargs,
 )
 from relax_core.train.megatron.convert import hf_to_megatron
-from relax_core.train.megatron.data_parallel import dp_share
 from relax_core.train.megatron.names import Dims
 from tests.unit.test_megatron_convert import SIZES, dense, moe
 

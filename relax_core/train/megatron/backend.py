@@ -29,16 +29,16 @@ import torch
 
 from relax_core.train.backend import MicroBatchLoss
 from relax_core.train.batch import MicroBatch
-from relax_core.train.megatron.assemble import ReadHF
-from relax_core.train.megatron.checkpoint import SafetensorsCheckpoint, state_reader
-from relax_core.train.megatron.config import MegatronParallel, fit_to_layer_spec
-from relax_core.train.megatron.convert import megatron_to_hf_named
-from relax_core.train.megatron.data_parallel import (
+from relax_core.train.data_parallel import (
     broadcast_owned,
     dp_share,
     sum_over_group,
     zero_weighted,
 )
+from relax_core.train.megatron.assemble import ReadHF
+from relax_core.train.megatron.checkpoint import SafetensorsCheckpoint, state_reader
+from relax_core.train.megatron.config import MegatronParallel, fit_to_layer_spec
+from relax_core.train.megatron.convert import megatron_to_hf_named
 from relax_core.train.megatron.logprobs import vocab_parallel_logprobs
 from relax_core.train.megatron.model import (
     build_gpt,

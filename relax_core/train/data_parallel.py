@@ -1,12 +1,11 @@
-"""Splitting a step's micro-batches over the Megatron backend's data-parallel ranks.
+"""Splitting a step's micro-batches over a trainer's data-parallel ranks (FSDP2 and Megatron).
 
-Data-parallel rank r of W takes micro-batches r, r+W, r+2W, ... (`dp_share`), as the FSDP
-backend does. Every rank runs the same number of forwards (`rounds`): a rank whose share is
-shorter runs padding forwards of micro-batch 0, zero-weighted in training (`zero_weighted`), so
-the collectives inside the model (the MoE token all-to-all over expert-parallel ranks, which
-span data-parallel ranks) pair up. The loss functions normalise by the whole step's tokens, so
-each rank's loss is its share of the step loss and gradients are summed over ranks (config.py:
-calculate_per_token_loss). Metrics are summed over ranks (`sum_over_group`); log-probs are
+Data-parallel rank r of W takes micro-batches r, r+W, r+2W, ... (`dp_share`). Every rank runs
+the same number of forwards (`rounds`): a rank whose share is shorter runs padding forwards of
+micro-batch 0, zero-weighted in training (`zero_weighted`), so the collectives inside the model
+(FSDP2's all-gathers, Megatron's MoE token all-to-all) pair up. The loss functions normalise by
+the whole step's tokens, so each rank's loss is its share of the step loss and gradients are
+summed over ranks, not averaged. Metrics are summed over ranks (`sum_over_group`); log-probs are
 broadcast by the rank that scored them (`broadcast_owned`), so every rank returns all.
 """
 
