@@ -120,8 +120,7 @@ class ColocatedSGLang:
     def _server_shape(self) -> tuple[int, int]:
         """(tp_size, dp_size) of the server, asked once."""
         if self._shape is None:
-            info = self.engine.client.get("/get_server_info")
-            self._shape = (int(info.get("tp_size", 1)), int(info.get("dp_size", 1)))
+            self._shape = self.engine.parallel_shape()
             if self._shape[1] > 1:
                 log.info(
                     "the SGLang server runs %d data-parallel replicas, which SGLang refuses "

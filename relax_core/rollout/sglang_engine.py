@@ -227,12 +227,15 @@ class SGLangEngine:
             return {"alive": False, "url": self.client.url, "error": str(err)}
         return {"alive": True, "url": self.client.url, "policy_version": version}
 
-    def tp_size(self) -> int:
+    def parallel_shape(self) -> tuple[int, int]:
+        """(tensor-parallel ranks, data-parallel replicas) of the server."""
         info = self.client.get("/get_server_info")
         try:
-            return int(info.get("tp_size", 1))
+            return int(info.get("tp_size", 1)), int(info.get("dp_size", 1))
         except (AttributeError, TypeError, ValueError) as err:
-            raise SGLangError(f"{self.client.url}/get_server_info has no usable tp_size") from err
+            raise SGLangError(
+                f"{self.client.url}/get_server_info has no usable tp_size/dp_size"
+            ) from err
 
 
 def parse_routed_experts(meta: dict[str, Any], num_tokens: int, where: str) -> list[list[int]]:

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from relax_core.net import free_port
-from relax_core.rollout.sglang_engine import SGLangClient, SGLangError
+from relax_core.rollout.sglang_engine import SGLangClient, SGLangEngine, SGLangError
 from relax_core.sync.buckets import (
     Bucket,
     NamedTensors,
@@ -208,11 +208,7 @@ class SGLangSender:
 
     def _ranks(self, name: str, url: str) -> int:
         """The server's TP size (its ranks in the group); SGLangError for one with DP replicas."""
-        info = self._client(name, url).get("/get_server_info")
-        try:
-            tp, dp = int(info.get("tp_size", 1)), int(info.get("dp_size", 1))
-        except (AttributeError, TypeError, ValueError) as err:
-            raise SGLangError(f"{url}/get_server_info has no usable tp_size/dp_size") from err
+        tp, dp = SGLangEngine(self._client(name, url)).parallel_shape()
         if dp != 1:
             raise SGLangError(
                 f"SGLang engine {name} ({url}) runs {dp} data-parallel replicas: SGLang 0.5.23 "
