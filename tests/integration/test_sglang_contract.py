@@ -8,12 +8,14 @@ is unreachable gives an error that names it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -45,12 +47,17 @@ def _start(port: int, delay: float = 0.0, api_key: str = "") -> subprocess.Popen
     )
 
 
-@pytest.fixture(scope="module")
-def servers():
-    ports = free_ports(2)
-    procs = [_start(p, delay=0.05) for p in ports]
-    clients = [SGLangClient(f"http://127.0.0.1:{p}", timeout_s=120) for p in ports]
+@contextlib.contextmanager
+def fake_servers(count: int, *args: str) -> Iterator[list[SGLangClient]]:
+    """`count` stand-in servers started with `args`, healthy, then killed however the block
+    ends."""
+    ports = free_ports(count)
+    procs = []
     try:
+        for port in ports:
+            cmd = [sys.executable, "-m", "tests.integration.fake_sglang", "--port", str(port)]
+            procs.append(subprocess.Popen([*cmd, *args], cwd=ROOT))
+        clients = [SGLangClient(f"http://127.0.0.1:{p}", timeout_s=120) for p in ports]
         for proc, client in zip(procs, clients, strict=True):
             wait_healthy(client, 120, proc)
         yield clients
@@ -58,6 +65,12 @@ def servers():
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def servers():
+    with fake_servers(2, "--generate-delay-s", "0.05") as clients:
+        yield clients
 
 
 def _digest(named) -> dict[str, str]:

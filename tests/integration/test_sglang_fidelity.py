@@ -27,7 +27,7 @@ from relax_core.rollout.sglang_engine import SGLangClient, SGLangEngine, SGLangE
 from relax_core.rollout.sglang_server import SGLangServer
 from relax_core.sync.buckets import specs_of
 from relax_core.sync.sglang import SGLangSender
-from tests.integration.test_sglang_contract import ROOT, _digest
+from tests.integration.test_sglang_contract import ROOT, _digest, fake_servers
 from tests.integration.weight_sync_actors import engine_prompts, tiny_policy
 from tests.s3servers import free_ports
 
@@ -145,17 +145,8 @@ def test_a_retracted_request_runs_again_under_the_new_weights_and_does_not_fail(
 
 @pytest.fixture(scope="module")
 def tp2_servers():
-    ports = free_ports(2)
-    procs = [_start(p, "--tp-size", "2") for p in ports]
-    clients = [SGLangClient(f"http://127.0.0.1:{p}", timeout_s=120) for p in ports]
-    try:
-        for proc, client in zip(procs, clients, strict=True):
-            wait_healthy(client, 120, proc)
+    with fake_servers(2, "--tp-size", "2") as clients:
         yield clients
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
 
 
 def test_two_servers_of_two_tp_ranks_each_join_at_their_own_ranks(tp2_servers):
@@ -227,15 +218,8 @@ def moe_server(tmp_path_factory):
     path = tmp_path_factory.mktemp("moe")
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    (port,) = free_ports(1)
-    proc = _start(port, "--checkpoint", str(path))
-    client = SGLangClient(f"http://127.0.0.1:{port}", timeout_s=120)
-    try:
-        wait_healthy(client, 120, proc)
+    with fake_servers(1, "--checkpoint", str(path)) as (client,):
         yield client, len(tok)
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def _push(client: SGLangClient, named: list, version: int) -> None:

@@ -16,31 +16,17 @@ import pytest
 import torch
 
 from relax_core.rollout.sglang_colocate import ColocatedSGLang
-from relax_core.rollout.sglang_engine import SGLangClient, SGLangEngine, SGLangError, wait_healthy
-from tests.integration.test_sglang_contract import _digest
-from tests.integration.test_sglang_fidelity import _start
+from relax_core.rollout.sglang_engine import SGLangEngine, SGLangError
+from tests.integration.test_sglang_contract import _digest, fake_servers
 from tests.integration.weight_sync_actors import tiny_policy
-from tests.s3servers import free_ports
 
 pytestmark = pytest.mark.integration
 
 
-def _server(*args: str):
-    (port,) = free_ports(1)
-    proc = _start(port, *args)
-    client = SGLangClient(f"http://127.0.0.1:{port}", timeout_s=120)
-    wait_healthy(client, 120, proc)
-    return proc, client
-
-
 @pytest.fixture(scope="module")
 def server():
-    proc, client = _server()
-    try:
+    with fake_servers(1) as (client,):
         yield client
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def _by_value(named) -> str:
@@ -82,13 +68,11 @@ def test_malformed_tensor_updates_are_refused_and_a_well_formed_one_loads(server
 
 
 def test_tensor_updates_are_refused_by_a_server_with_data_parallel_replicas():
-    proc, client = _server("--dp-size", "2")
-    try:
-        with pytest.raises(SGLangError, match="HTTP 500.*data-parallel"):
-            client.post_ok("/update_weights_from_tensor", {"serialized_named_tensors": ["AA=="]})
-    finally:
-        proc.kill()
-        proc.wait()
+    with (
+        fake_servers(1, "--dp-size", "2") as (client,),
+        pytest.raises(SGLangError, match="HTTP 500.*data-parallel"),
+    ):
+        client.post_ok("/update_weights_from_tensor", {"serialized_named_tensors": ["AA=="]})
 
 
 def test_cpu_weights_reach_a_colocated_server_through_files(server, tmp_path):
@@ -106,8 +90,7 @@ def test_cpu_weights_reach_a_colocated_server_through_files(server, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
 def test_cuda_weights_reach_a_colocated_server_by_ipc_handles(tmp_path):
-    proc, client = _server("--device", "cuda")
-    try:
+    with fake_servers(1, "--device", "cuda") as (client,):
         trainer, _ = tiny_policy(9)
         trainer = trainer.cuda()
         named = [(n, p.detach()) for n, p in trainer.named_parameters()]
@@ -124,6 +107,3 @@ def test_cuda_weights_reach_a_colocated_server_by_ipc_handles(tmp_path):
         assert {n for n, _ in named} <= consumed
         assert SGLangEngine(client).refresh_version() == 9
         assert not (tmp_path / "h").exists()  # nothing went through files
-    finally:
-        proc.kill()
-        proc.wait()
