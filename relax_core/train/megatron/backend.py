@@ -4,9 +4,10 @@ Parts: `model` builds the process groups, GPTModel (TransformerEngine layer spec
 else the local spec; `config.fit_to_layer_spec` turns sequence parallel off on the local spec),
 DDP and the (distributed) Adam optimizer; `checkpoint` reads HF tensors lazily and `weights`
 loads each rank's shards from them and streams full tensors back to rank 0; `convert` maps
-Megatron -> HF names; `data_parallel` splits a step's micro-batches over data-parallel ranks;
-`logprobs` turns vocab-parallel logits into log-probs and entropy; `replay` routes each
-micro-batch's MoE tokens to the experts its rows recorded (routing_replay). One process per GPU
+Megatron -> HF names; `train/data_parallel.py` (shared with FSDP2) splits a step's
+micro-batches over data-parallel ranks; `logprobs` turns vocab-parallel logits into log-probs
+and entropy; `replay` routes each micro-batch's MoE tokens to the experts its rows recorded
+(routing_replay). One process per GPU
 (torchrun); every rank calls every method in the same order with the same micro-batches, and
 data-parallel rank r runs micro-batches r, r + W, ... of them (gradients summed over ranks).
 
@@ -212,7 +213,7 @@ class MegatronBackend:
     def train_step(
         self, micro_batches: list[MicroBatch], loss_fn: MicroBatchLoss
     ) -> dict[str, float]:
-        """Data-parallel rank r runs micro-batches r, r + W, ... (data_parallel.py); the loss
+        """Data-parallel rank r runs micro-batches r, r + W, ... (train/data_parallel.py); the loss
         is each micro-batch's share of the step loss, so the summed gradients are the step's."""
         from megatron.core.distributed import finalize_model_grads
 
