@@ -11,6 +11,7 @@ import re
 
 from relax_core.config.checks_algorithm import check_algorithm
 from relax_core.config.checks_gpu import check_gpu_stacks
+from relax_core.config.checks_sglang_lora import check_sglang_lora
 from relax_core.config.rules import choice, positive
 from relax_core.config.sections import RewardConfig, RunSections
 
@@ -297,11 +298,8 @@ def _check_lora(e: list[str], cfg) -> None:
             f"train.lora: LoRA trains with train.backend 'torch' in this build, not "
             f"{cfg.train.backend!r} (FSDP2 and Megatron adapters are not implemented)"
         )
-    if cfg.rollout.engine != "torch":
-        e.append(
-            f"train.lora: LoRA runs on rollout.engine 'torch' in this build, not "
-            f"{cfg.rollout.engine!r} (SGLang adapter loading is not implemented)"
-        )
+    if cfg.rollout.engine == "sglang":  # adapters loaded by name through SGLang's LoRA API
+        check_sglang_lora(e, cfg)
 
 
 def _check_storage(e: list[str], cfg) -> None:

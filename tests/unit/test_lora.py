@@ -139,8 +139,26 @@ def test_targets_the_policy_lacks_are_named(tok):
             "train.lora: LoRA trains with train.backend 'torch' in this build, not 'fsdp'",
         ),
         (
-            {"train": {"lora": {"rank": 8}}, "rollout": {"engine": "sglang"}},
-            "train.lora: LoRA runs on rollout.engine 'torch' in this build, not 'sglang'",
+            {
+                "train": {"lora": {"rank": 8}},
+                "rollout": {"engine": "sglang"},
+                "sglang": {"extra_args": "--dp-size 2"},
+            },
+            "sglang.extra_args: --dp-size 2 with train.lora: SGLang 0.5.23 loads adapters only",
+        ),
+        (
+            {
+                "train": {"lora": {"rank": 8, "target_modules": "q_proj"}},
+                "rollout": {"engine": "sglang"},
+            },
+            "an attention adapter needs q_proj and v_proj",
+        ),
+        (
+            {
+                "train": {"lora": {"rank": 8, "target_modules": "fc1"}},
+                "rollout": {"engine": "sglang"},
+            },
+            "train.lora.target_modules: fc1 with rollout.engine 'sglang'",
         ),
     ],
 )
