@@ -293,10 +293,10 @@ def _check_lora(e: list[str], cfg) -> None:
         e.append(f"train.lora.dropout: must be in [0, 1), got {lo.dropout}")
     if not [m for m in lo.target_modules.split(",") if m.strip()]:
         e.append("train.lora.target_modules: name at least one module (comma-separated)")
-    if cfg.train.backend != "torch":
+    if cfg.train.backend == "megatron":
         e.append(
-            f"train.lora: LoRA trains with train.backend 'torch' in this build, not "
-            f"{cfg.train.backend!r} (FSDP2 and Megatron adapters are not implemented)"
+            "train.lora: LoRA trains with train.backend 'torch' or 'fsdp', not 'megatron' "
+            "(Megatron adapters are not implemented in this build)"
         )
     if cfg.rollout.engine == "sglang":  # adapters loaded by name through SGLang's LoRA API
         check_sglang_lora(e, cfg)

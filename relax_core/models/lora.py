@@ -105,24 +105,39 @@ def adapter_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
 
 def base_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The policy's weights under plain HF names, without the adapter."""
-    return {
-        key.replace(".base_layer.", "."): tensor
-        for key, tensor in model.state_dict().items()
-        if ".lora_" not in key
-    }
+    return split_state(model.state_dict())[0]
 
 
-def save_adapter(model: torch.nn.Module, directory: str) -> None:
-    """The adapter in PEFT's format under `directory`/adapter."""
+def split_state(
+    state: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A LoRA policy's state dict as (base under plain HF names, adapter under parameter
+    names)."""
+    base, adapter = {}, {}
+    for key, tensor in state.items():
+        if _is_adapter(key):
+            adapter[key] = tensor
+        elif ".lora_" not in key:
+            base[key.replace(".base_layer.", ".")] = tensor
+    return base, adapter
+
+
+def save_adapter(
+    model: torch.nn.Module,
+    directory: str,
+    tensors: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """The adapter in PEFT's format under `directory`/adapter: `model`'s, or `tensors` by
+    parameter name (the gathered adapter of a sharded policy)."""
     out = os.path.join(directory, ADAPTER_DIR)
     os.makedirs(out, exist_ok=True)
     config = model.peft_config["default"]
     config.save_pretrained(out)
-    tensors = {
-        _PEFT_PREFIX + name.replace(".default.", "."): t.to("cpu").contiguous()
-        for name, t in adapter_weights(model)
+    named = tensors.items() if tensors is not None else adapter_weights(model)
+    saved = {
+        _PEFT_PREFIX + name.replace(".default.", "."): t.to("cpu").contiguous() for name, t in named
     }
-    save_file(tensors, os.path.join(out, _ADAPTER_WEIGHTS))
+    save_file(saved, os.path.join(out, _ADAPTER_WEIGHTS))
 
 
 def load_adapter(model: torch.nn.Module, directory: str):

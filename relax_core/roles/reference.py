@@ -3,6 +3,7 @@ for the KL term, the teacher for on-policy distillation), into their own column.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
@@ -10,6 +11,7 @@ import torch
 from transformers import PreTrainedModel
 
 from relax_core.queue import with_columns
+from relax_core.train.batch import MicroBatch
 from relax_core.train.batching import table_micro_batches
 from relax_core.train.torch_backend import response_logprobs
 
@@ -24,9 +26,12 @@ def add_ref_logprobs(
     column: str = "ref_logprobs",
     resolver: Any = None,
     routed_experts: bool = False,
+    scorer: Callable[[MicroBatch], torch.Tensor] | None = None,
 ) -> pa.Table:
     """`column` = log-probs of each row's response under `model`; with `routed_experts` its
-    routers replay the rows' experts (the actor_fwd role of a routing-replay run)."""
+    routers replay the rows' experts (the actor_fwd role of a routing-replay run). `scorer`
+    scores a micro-batch instead of `model` directly (a train backend's `logprobs`, which
+    gathers a sharded policy's weights)."""
     out: list[list[float]] = [[] for _ in range(table.num_rows)]
     lengths = [len(r) for r in table.column("response_ids").to_pylist()]
     batches = table_micro_batches(
@@ -34,7 +39,10 @@ def add_ref_logprobs(
     )
     device = next(model.parameters()).device
     for rows, mb in batches:
-        logprobs, _ = response_logprobs(model, mb.to(device), temperature)
+        if scorer is not None:
+            logprobs = scorer(mb)
+        else:
+            logprobs, _ = response_logprobs(model, mb.to(device), temperature)
         for j, i in enumerate(rows):
             out[i] = logprobs[j, : lengths[i]].tolist()
     return with_columns(table, **{column: out})

@@ -190,11 +190,14 @@ class AsyncTrainer:
             torch, self.cfg.model.dtype
         ):
             return self.model
+        from relax_core.models.lora import synced_weights
         from relax_core.models.policy import load_policy
 
         if self._eval_copy is None:
             self._eval_copy, _ = load_policy(self.ctx.checkpoint, self.cfg.model.dtype)
-        params = dict(self._eval_copy.named_parameters())
+        # What the backend publishes: every weight, or a LoRA policy's adapter (the copy's
+        # frozen base is the trainer's).
+        params = dict(synced_weights(self._eval_copy))
         tied = set(self._eval_copy.state_dict()) - set(params)  # e.g. a tied lm_head.weight
         unexpected = []
         with torch.no_grad():

@@ -136,6 +136,7 @@ class ColocateController:
                     cfg.rollout.temperature,
                     column,
                     media,
+                    scorer=s.ref_scorer(model),
                 )
         if frozen:
             s.queue.put("ref", table, {"policy_version": v})

@@ -136,6 +136,14 @@ class RunSession:
             return lora.adapters_disabled(model)
         return contextlib.nullcontext()
 
+    def ref_scorer(self, model: torch.nn.Module):
+        """How to score `model` as the KL anchor: through the train backend when the anchor
+        is the LoRA policy itself (a sharded FSDP2 policy gathers its weights only through
+        the backend), else directly."""
+        if model is self.model and lora.is_lora(model):
+            return lambda mb: self.backend.logprobs([mb])[0]
+        return None
+
     def _engine_rng(self) -> dict[str, str]:
         """The torch engine's sampling RNG (an SGLang server keeps its own)."""
         if not hasattr(self.engine, "generator"):

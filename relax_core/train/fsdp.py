@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from relax_core.config import TrainConfig
+from relax_core.models.lora import adapter_weights, is_lora, save_adapter, split_state
 from relax_core.train.backend import MASTER_WEIGHTS_FILE, MicroBatchLoss
 from relax_core.train.batch import MicroBatch
 from relax_core.train.data_parallel import (
@@ -165,12 +166,16 @@ class FSDPBackend:
         return metrics
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full (unsharded) weights by HF name, in the dtype engines hold. Collective: each
-        tensor is all-gathered, so every rank must iterate to the end in step, though only rank 0
-        (the weight-sync sender) needs the tensors."""
+        """Full (unsharded) weights by HF name, in the dtype engines hold; a LoRA policy's
+        adapter only (float32). Collective: each tensor is all-gathered, so every rank must
+        iterate to the end in step, though only rank 0 (the weight-sync sender) needs them."""
+        lora = is_lora(self.model)
         dtype = self.inner.weights_dtype
         for name, param in self.model.named_parameters():
-            yield name, _full(param.detach()).to(dtype)
+            if not lora:
+                yield name, _full(param.detach()).to(dtype)
+            elif param.requires_grad:  # a LoRA policy's adapter, float32 as engines hold it
+                yield name, _full(param.detach())
 
     def _full_state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(state dict in the engines' dtype, float32 master parameters when the model keeps
@@ -178,25 +183,36 @@ class FSDPBackend:
         state, master = {}, {}
         params = {id(p) for p in self.model.parameters()}  # tied parameters once, as named
         keep = self.inner.keeps_master
+        adapter = {n for n, _ in adapter_weights(self.model)}  # float32 whatever model.dtype
+        seen: set[int] = set()
         for name, tensor in self.model.state_dict(keep_vars=True).items():
+            if id(tensor) in seen:  # a tied weight (lm_head = embeddings) is written once
+                continue
+            seen.add(id(tensor))
             full = _full(tensor.detach())
             if self.rank == 0:
-                state[name] = full.to("cpu", self.inner.weights_dtype)
+                dtype = torch.float32 if name in adapter else self.inner.weights_dtype
+                state[name] = full.to("cpu", dtype)
                 if keep and id(tensor) in params:
                     master[name] = full.cpu()
                     params.discard(id(tensor))
         return state, master
 
     def save(self, directory: str) -> None:
-        """Rank 0 writes the HF model (safetensors, as any checkpoint, in the engines' dtype),
-        the full optimizer state (tensors keyed by parameter name; `optim/optimizer.pt`) and
-        float32 master weights when kept (`optim/master.safetensors`). Collective."""
+        """Rank 0 writes the HF model (safetensors, as any checkpoint, in the engines' dtype;
+        a LoRA policy's frozen base under plain names and its adapter in PEFT's format, as
+        `TorchBackend.save`), the full optimizer state (tensors keyed by parameter name;
+        `optim/optimizer.pt`) and float32 master weights when kept
+        (`optim/master.safetensors`). Collective."""
         state, master = self._full_state_dict()
         optim = get_optimizer_state_dict(
             self.root,
             self.inner.optimizer,
             options=StateDictOptions(full_state_dict=True, cpu_offload=True),
         )
+        if self.rank == 0 and is_lora(self.model):  # base + adapter, as TorchBackend.save
+            state, adapter = split_state(state)
+            save_adapter(self.model, directory, adapter)
         if self.rank == 0:
             self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
             os.makedirs(os.path.join(directory, OPTIMIZER_DIR), exist_ok=True)

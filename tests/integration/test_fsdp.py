@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from relax_core.algorithms import LossInputs, LossSettings, grpo_loss
 from relax_core.config import ModelConfig, TrainConfig
+from relax_core.models.lora import ADAPTER_DIR, adapters_disabled, attach_lora, load_adapter
 from relax_core.models.tiny import build_tiny_qwen3
 from relax_core.train.batch import MicroBatch, make_micro_batch
 from relax_core.train.fsdp import decoder_layers
@@ -25,6 +26,7 @@ from relax_core.train.torch_backend import build_backend
 SMALL = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
 VOCAB = 64
 TRAIN = TrainConfig(lr=1e-3, grad_clip=1.0, warmup_steps=2)
+LORA_TARGETS = "q_proj,v_proj,down_proj"
 ROWS = [3, 1, 2, 2, 1]  # rows per micro-batch: uneven, so the metrics' row weighting matters
 
 
@@ -72,9 +74,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, port: int, out: str, resume: bool, bf16: bool = False) -> None:
+def _lora_policy(bf16: bool):
+    """The tiny policy as a LoRA run trains it: the base in bf16 (`bf16`) or float32, frozen,
+    with float32 rank-4 adapters."""
+    model = build_tiny_qwen3(SMALL, VOCAB, seed=0)
+    if bf16:  # as loaded from a bf16 policy: parameters in bf16, buffers (rotary) in float32
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16)
+    return attach_lora(model, 4, 8.0, 0.0, LORA_TARGETS, seed=0)
+
+
+def _rank_main(
+    rank: int, port: int, out: str, resume: bool, bf16: bool = False, lora: bool = False
+) -> None:
     """One FSDP rank: steps 1 and 2 (saving after step 1), or step 2 resumed from that save;
-    `bf16`: a bf16 policy on float32 master weights (FSDP2 mixed precision)."""
+    `bf16`: a bf16 policy on float32 master weights (FSDP2 mixed precision), or with `lora` a
+    bf16 base under float32 adapters."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -86,7 +101,12 @@ def _rank_main(rank: int, port: int, out: str, resume: bool, bf16: bool = False)
     try:
         ckpt = os.path.join(out, "ckpt")
         if resume:
-            model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+            dtype = torch.bfloat16 if lora and bf16 else torch.float32
+            model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)
+            if lora:
+                load_adapter(model, ckpt)
+        elif lora:
+            model = _lora_policy(bf16)
         else:
             model = build_tiny_qwen3(SMALL, VOCAB, seed=0)
             if bf16:  # parameters as loaded from a bf16 policy (buffers stay float32)
@@ -108,6 +128,13 @@ def _rank_main(rank: int, port: int, out: str, resume: bool, bf16: bool = False)
             if step == 1:
                 backend.save(ckpt)
         weights = {n: w.clone() for n, w in backend.named_weights()}
+        if lora:  # the KL reference of a LoRA run: the sharded policy with its adapters off
+            with adapters_disabled(backend.model):
+                base = backend.logprobs(_micro_batches(1))
+            trained = backend.logprobs(_micro_batches(1))
+        if rank == 0 and lora:
+            save_file({str(i): t for i, t in enumerate(base)}, os.path.join(out, "base.st"))
+            save_file({str(i): t for i, t in enumerate(trained)}, os.path.join(out, "on.st"))
         if rank == 0:
             tag = "resumed" if resume else "fsdp"
             save_file(weights, os.path.join(out, f"{tag}.safetensors"))
@@ -121,10 +148,10 @@ def _rank_main(rank: int, port: int, out: str, resume: bool, bf16: bool = False)
         dist.destroy_process_group()
 
 
-def _spawn(out: str, resume: bool, bf16: bool = False) -> None:
+def _spawn(out: str, resume: bool, bf16: bool = False, lora: bool = False) -> None:
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank_main, args=(_free_port(), out, resume, bf16), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(_free_port(), out, resume, bf16, lora), nprocs=2, join=True)
 
 
 @pytest.mark.slow
@@ -199,6 +226,60 @@ def test_fsdp_bf16_policy_keeps_float32_master_weights_across_a_resume(tmp_path)
     for name, weight in fsdp.items():
         # The resumed step started from the float32 master, not the bf16 policy: identical.
         torch.testing.assert_close(resumed[name], weight, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_fsdp_lora_trains_what_one_process_trains_and_resumes_exactly(tmp_path):
+    out = str(tmp_path)
+    _spawn(out, resume=False, bf16=True, lora=True)
+    _spawn(out, resume=True, bf16=True, lora=True)
+
+    backend = build_backend(_lora_policy(bf16=True), TRAIN, 0.9, compute_dtype=torch.bfloat16)
+    start = backend.logprobs(_micro_batches(1))
+    mbs1 = _micro_batches(1)
+    expected = {1: backend.train_step(mbs1, _loss_fn(mbs1))}
+    after_step1 = {n: w.clone() for n, w in backend.named_weights()}
+    mbs2 = _micro_batches(2)
+    expected[2] = backend.train_step(mbs2, _loss_fn(mbs2))
+    after_step2 = dict(backend.named_weights())
+
+    # Only the adapter travels, in float32, and it matches one process's after two steps.
+    fsdp = load_file(os.path.join(out, "fsdp.safetensors"))
+    assert fsdp.keys() == after_step2.keys()
+    assert all(".lora_A." in n or ".lora_B." in n for n in fsdp)
+    assert {t.dtype for t in fsdp.values()} == {torch.float32}
+    assert any(t.abs().sum() > 0 for n, t in fsdp.items() if ".lora_B." in n)  # it trained
+    for name, weight in after_step2.items():
+        torch.testing.assert_close(fsdp[name], weight, rtol=1e-4, atol=1e-6)
+    with open(os.path.join(out, "fsdp.json")) as f:
+        got = json.load(f)
+    for step in (1, 2):
+        for key, value in expected[step].items():
+            assert got[str(step)][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, key)
+
+    # The checkpoint is the frozen bf16 base under plain names plus the step-1 adapter in
+    # PEFT's format; resumed in fresh processes, step 2 is bit-for-bit the same.
+    ckpt = os.path.join(out, "ckpt")
+    policy = load_file(os.path.join(ckpt, "model.safetensors"))
+    plain = build_tiny_qwen3(SMALL, VOCAB, seed=0).state_dict()
+    assert policy.keys() <= plain.keys() and "model.embed_tokens.weight" in policy
+    for name, tensor in policy.items():
+        assert torch.equal(tensor, plain[name].to(torch.bfloat16)), name  # the base never trains
+    adapter = load_file(os.path.join(ckpt, ADAPTER_DIR, "adapter_model.safetensors"))
+    assert len(adapter) == len(after_step1)
+    resumed = load_file(os.path.join(out, "resumed.safetensors"))
+    for name, weight in fsdp.items():
+        torch.testing.assert_close(resumed[name], weight, rtol=0, atol=0)
+
+    # The sharded policy with adapters off scores as the starting policy (B starts at zero);
+    # with them on it scores as one process's trained policy.
+    base, trained = load_file(os.path.join(out, "base.st")), load_file(os.path.join(out, "on.st"))
+    final = backend.logprobs(_micro_batches(1))
+    for i, logp in enumerate(start):
+        torch.testing.assert_close(base[str(i)], logp, rtol=0, atol=1e-6)
+        torch.testing.assert_close(trained[str(i)], final[i], rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(trained[str(i)], logp, atol=1e-4)
 
 
 def test_layer_finder_names_a_model_without_decoder_layers():

@@ -135,8 +135,8 @@ def test_targets_the_policy_lacks_are_named(tok):
         ({"train": {"lora": {"rank": 8, "dropout": 1.0}}}, "train.lora.dropout: must be in [0, 1)"),
         ({"train": {"lora": {"rank": 8, "target_modules": " , "}}}, "name at least one module"),
         (
-            {"train": {"lora": {"rank": 8}, "backend": "fsdp"}},
-            "train.lora: LoRA trains with train.backend 'torch' in this build, not 'fsdp'",
+            {"train": {"lora": {"rank": 8}, "backend": "megatron"}},
+            "train.lora: LoRA trains with train.backend 'torch' or 'fsdp', not 'megatron'",
         ),
         (
             {
