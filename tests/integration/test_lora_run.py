@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import os
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from relax_core.models.lora import ADAPTER_DIR
+from relax_core.models.policy import load_policy
+from relax_core.queue import TransferQueue
+from relax_core.roles.reference import add_ref_logprobs
 from relax_core.train.checkpoint import list_checkpoints, read_state
-from tests.integration.test_async_run import ASYNC, _final, _finish, _run
+from tests.integration.test_async_run import ASYNC, _final, _finish, _metrics, _run
 
 pytestmark = pytest.mark.integration
 
@@ -47,3 +52,92 @@ def test_lora_trains_the_same_adapter_in_both_modes_on_a_frozen_base(small_confi
     for name, tensor in c_adapter.items():
         # Strict on-policy async: rollout sampled with every new adapter, as colocate did.
         torch.testing.assert_close(a_adapter[name], tensor, rtol=0, atol=1e-6)
+
+
+def _versions(run_dir: str) -> dict[int, str]:
+    """Each kept checkpoint of a run by the policy version it holds."""
+    return {read_state(c)["policy_version"]: c for c in list_checkpoints(run_dir)}
+
+
+def test_async_engines_sample_with_the_adapter_version_they_report(small_config, workdir):
+    """max_staleness 1 over several versions: every rollout row must have been sampled with the
+    adapter of the version it is stamped with (its log-probs are that checkpoint's, not the
+    starting adapter's nor the one before), and no row trains more than one version late."""
+    steps = 6
+    cfg = small_config(
+        "s.yaml",
+        run_name="s",
+        mode="async",
+        rollout={"max_staleness": 1},
+        # A large learning rate: each version's adapter scores the samples measurably apart.
+        train={"total_steps": steps, "checkpoint_every": 1, "lr": 3e-2, "lora": {"rank": 4}},
+        algorithm={"entropy_coef": 0.01},
+        queue={"keep_versions": 100},
+        services=ASYNC["services"],
+    )
+    _finish(_run(cfg))
+    final = _final(workdir, "s")
+    state = read_state(final)
+    assert state["policy_version"] == steps
+    checkpoints = _versions(os.path.dirname(final))
+    assert sorted(checkpoints) == list(range(steps + 1))
+    staleness = _metrics(workdir, state["tracking_run_id"], "train/staleness_max")
+    assert len(staleness) == steps and max(staleness) <= 1
+
+    queue = TransferQueue(".relax/queue", state["run_id"])
+    tables = [queue.read("rollout", seq) for seq in queue.committed("rollout")]
+    by_version: dict[int, list] = {}
+    for table in tables:
+        for v in set(table.column("behaviour_version_min").to_pylist()):
+            rows = pc.equal(table.column("behaviour_version_min"), v)
+            by_version.setdefault(v, []).append(table.filter(rows))
+    assert len(by_version) >= 4, sorted(by_version)  # several adapter versions sampled
+    gaps_own, gaps_before = [], []
+    for v, parts in sorted(by_version.items()):
+        table = pa.concat_tables(parts)
+        assert table.column("behaviour_version_max").to_pylist() == [v] * table.num_rows
+        sampled = [torch.tensor(r) for r in table.column("rollout_logprobs").to_pylist()]
+        for at, gaps in ((v, gaps_own), (v - 1, gaps_before)):
+            if at < 0:
+                continue
+            model, tok = load_policy(checkpoints[at])
+            scored = add_ref_logprobs(model, table, tok.pad_token_id, 4096, 1.0)
+            rescored = [torch.tensor(r) for r in scored.column("ref_logprobs").to_pylist()]
+            gaps.append(
+                max(float((a - b).abs().max()) for a, b in zip(sampled, rescored, strict=True))
+            )
+    # The engine's log-probs are the trainer's at the stamped version, and the version before
+    # (what an engine whose update never landed would hold) is far off.
+    assert max(gaps_own) < 1e-4, gaps_own
+    assert min(gaps_before) > 1e-2, gaps_before
+
+
+def test_fsdp_lora_runs_in_both_modes_with_the_base_as_kl_anchor(small_config, workdir):
+    """FSDP2 LoRA: colocate on one rank scores its KL anchor through the sharded policy with
+    adapters off; async on two ranks (torchrun, gloo) syncs the gathered adapter, evaluates on
+    a copy filled with it and checkpoints base + adapter. (That FSDP2 ranks train one process's
+    adapter and resume it exactly is test_fsdp.py's.)"""
+    fsdp = {
+        "train": {**LORA["train"], "eval_every": 2, "backend": "fsdp"},
+        "algorithm": LORA["algorithm"],
+    }
+    _finish(_run(small_config("f.yaml", run_name="f", **fsdp)))
+    two_ranks = {**ASYNC["services"], "trainer_gpus": 2}
+    _finish(_run(small_config("r.yaml", run_name="r", **fsdp, **{**ASYNC, "services": two_ranks})))
+
+    for run in ("f", "r"):
+        final = _final(workdir, run)
+        state = read_state(final)
+        assert state["policy_version"] == 4
+        assert os.path.isfile(os.path.join(final, "optim", "optimizer.pt"))
+        start = min(list_checkpoints(os.path.dirname(final)))
+        start_base = load_file(os.path.join(start, "model.safetensors"))
+        for name, tensor in load_file(os.path.join(final, "model.safetensors")).items():
+            assert torch.equal(tensor, start_base[name]), name  # the base never trains
+        assert any(t.abs().sum() > 0 for n, t in _adapter(final).items() if "lora_B" in n)
+        assert len(_metrics(workdir, state["tracking_run_id"], "eval/accuracy")) >= 2
+        kl = _metrics(workdir, state["tracking_run_id"], "train/kl")
+        if run == "f":
+            # The anchor is the base: the policy equals it until the adapter first trains
+            # (B starts at zero), and parts from it after.
+            assert abs(kl[0]) < 1e-7 and kl[-1] > 1e-6, kl
