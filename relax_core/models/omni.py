@@ -166,9 +166,12 @@ class TinyOmni(nn.Module):
     def get_output_embeddings(self) -> nn.Module:
         return self.lm.get_output_embeddings()
 
-    def save_pretrained(self, directory: str, **_: Any) -> None:
-        """Save like a Hugging Face model, so checkpoints and prepared policies treat it alike."""
-        save_omni(self, directory)
+    def save_pretrained(
+        self, directory: str, state_dict: dict[str, torch.Tensor] | None = None, **_: Any
+    ) -> None:
+        """Save like a Hugging Face model, so checkpoints and prepared policies treat it alike
+        (`state_dict`: what to write instead of the model's own, e.g. a LoRA policy's base)."""
+        save_omni(self, directory, state_dict)
 
     def forward(
         self,
@@ -228,9 +231,18 @@ def media_prompt_ids(
     return ids + tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def save_omni(model: TinyOmni, directory: str) -> None:
-    model.lm.save_pretrained(directory)
-    encoders = {k: v.contiguous() for k, v in model.state_dict().items() if not k.startswith("lm.")}
+def save_omni(
+    model: TinyOmni, directory: str, state_dict: dict[str, torch.Tensor] | None = None
+) -> None:
+    """The LM as a Hugging Face model in `directory`, the encoders beside it; `state_dict`
+    (the model's own by default) holds both, the LM's under `lm.`."""
+    state = model.state_dict() if state_dict is None else state_dict
+    if state_dict is None:
+        model.lm.save_pretrained(directory)
+    else:
+        lm = {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
+        model.lm.save_pretrained(directory, state_dict=lm)
+    encoders = {k: v.contiguous() for k, v in state.items() if not k.startswith("lm.")}
     save_file(encoders, os.path.join(directory, WEIGHTS_FILE))
     with open(os.path.join(directory, SPEC_FILE), "w") as f:
         json.dump({**asdict(model.spec), "media_token_id": model.media_token_id}, f, indent=1)

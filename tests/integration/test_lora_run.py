@@ -11,7 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from relax_core.models import lora
 from relax_core.models.lora import ADAPTER_DIR
+from relax_core.models.omni import WEIGHTS_FILE as OMNI_WEIGHTS
 from relax_core.models.policy import load_policy
 from relax_core.queue import TransferQueue
 from relax_core.roles.reference import add_ref_logprobs
@@ -141,3 +143,34 @@ def test_fsdp_lora_runs_in_both_modes_with_the_base_as_kl_anchor(small_config, w
             # The anchor is the base: the policy equals it until the adapter first trains
             # (B starts at zero), and parts from it after.
             assert abs(kl[0]) < 1e-7 and kl[-1] > 1e-6, kl
+
+
+def test_the_tiny_omni_policy_trains_lora_adapters_on_its_lm_and_encoders(small_config, workdir):
+    """Omni + LoRA, async (the reference role and the rollout engine rebuild media from the
+    rows): adapters on the LM's projections and on two encoder layers; the base (LM and
+    encoders) stays frozen and the checkpoint is an omni base + adapter that loads back."""
+    from tests.integration.test_omni_run import OMNI, _dataset
+
+    _dataset(workdir)
+    targets = "q_proj,v_proj,gate_proj,audio_out,video_out"
+    train = {**OMNI["train"], "lr": 1e-2, "lora": {"rank": 4, "target_modules": targets}}
+    # The entropy bonus gives every step a gradient, whatever the rewards.
+    algorithm = {**OMNI["algorithm"], "entropy_coef": 0.01}
+    sections = {**OMNI, "train": train, "algorithm": algorithm, **ASYNC}
+    _finish(_run(small_config("o.yaml", **sections, run_name="o")))
+
+    final = _final(workdir, "o")
+    assert read_state(final)["policy_version"] == 3
+    start = min(list_checkpoints(os.path.dirname(final)))
+    for name in ("model.safetensors", OMNI_WEIGHTS):
+        before, after = load_file(os.path.join(start, name)), load_file(os.path.join(final, name))
+        assert before.keys() == after.keys() and all(
+            torch.equal(after[k], t) for k, t in before.items()
+        ), name
+    adapter = _adapter(final)
+    trained = {n for n, t in adapter.items() if "lora_B" in n and t.abs().sum() > 0}
+    assert any(".lm." in n for n in trained) and any("audio_out" in n for n in trained), trained
+    policy, _ = load_policy(final)
+    assert lora.is_lora(policy) and type(policy).__name__ == "TinyOmni"
+    state = {k: v for k, v in policy.state_dict().items() if ".lora_" in k}
+    assert len(state) == len(adapter)
