@@ -35,7 +35,9 @@ def _adapter(ckpt: str) -> dict[str, torch.Tensor]:
 
 
 def test_lora_trains_the_same_adapter_in_both_modes_on_a_frozen_base(small_config, workdir):
-    _finish(_run(small_config("c.yaml", run_name="c", **LORA)))
+    registered = {"tracking": {"registered_model": "lora-policy"}}
+    c_cfg = small_config("c.yaml", run_name="c", **LORA, **registered)
+    _finish(_run(c_cfg))
     _finish(_run(small_config("a.yaml", run_name="a", **LORA, **ASYNC)))
 
     c_ckpt, a_ckpt = _final(workdir, "c"), _final(workdir, "a")
@@ -54,6 +56,31 @@ def test_lora_trains_the_same_adapter_in_both_modes_on_a_frozen_base(small_confi
     for name, tensor in c_adapter.items():
         # Strict on-policy async: rollout sampled with every new adapter, as colocate did.
         torch.testing.assert_close(a_adapter[name], tensor, rtol=0, atol=1e-6)
+    _check_registered_lora_policy(c_cfg, c_ckpt, c_adapter, workdir)
+
+
+def _check_registered_lora_policy(cfg_path, ckpt, adapter, workdir) -> None:
+    """The registered model is the final base + adapter pair: served as a pyfunc it holds the
+    trained adapter, and evaluating it is evaluating the final checkpoint."""
+    import mlflow
+
+    from relax_core.config import load_config
+    from relax_core.run.evaluate import evaluate_checkpoint
+
+    cfg = load_config(cfg_path)
+    ev = evaluate_checkpoint(cfg, "", k=2, n_samples=2, model="models:/lora-policy/latest")
+    assert ev["checkpoint"] == "models:/lora-policy/1" and ev["policy_version"] == 4
+    final_eval = _metrics(workdir, read_state(ckpt)["tracking_run_id"], "eval/accuracy")[-1]
+    assert ev["eval_accuracy"] == final_eval
+    mlflow.set_tracking_uri(cfg.tracking.tracking_uri)
+    served = mlflow.pyfunc.load_model("models:/lora-policy/1").unwrap_python_model().model
+    held = {
+        f"base_model.model.{n}".replace(".default.", "."): t
+        for n, t in lora.adapter_weights(served)
+    }
+    assert held.keys() == adapter.keys()
+    for name, tensor in adapter.items():
+        assert torch.equal(held[name], tensor), name
 
 
 def _versions(run_dir: str) -> dict[int, str]:
