@@ -62,6 +62,15 @@ def attach_lora(
             f"train.lora.target_modules: {targets!r} names no module of "
             f"{type(model).__name__} ({err})"
         ) from err
+    fused = sorted(getattr(model.peft_config["default"], "target_parameters", None) or ())
+    if fused:
+        # peft retargets MLP names at a MoE's fused expert tensors (3-D parameters), with
+        # ranks other than the one asked for; SGLang loads no such adapter either.
+        raise ValueError(
+            f"train.lora.target_modules: {targets!r} reaches the fused expert parameters "
+            f"{fused} of {type(model).__name__}, which LoRA here does not adapt; name the "
+            "attention projections (q_proj,k_proj,v_proj,o_proj) and any dense layers only"
+        )
     for name, param in model.named_parameters():
         param.requires_grad_(_is_adapter(name))
     return adapters_in_float32(model)

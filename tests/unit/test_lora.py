@@ -128,6 +128,30 @@ def test_targets_the_policy_lacks_are_named(tok):
         lora.attach_lora(model, 4, 8.0, 0.0, "wq,wv")
 
 
+def test_targets_that_reach_fused_moe_experts_are_refused():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    moe = Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            vocab_size=64,
+            hidden_size=32,
+            moe_intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+        )
+    )
+    # The default targets name the MLP projections, which a MoE holds as fused 3-D experts.
+    with pytest.raises(ValueError, match=r"reaches the fused expert parameters \['down_proj'"):
+        lora.attach_lora(moe, 4, 8.0, 0.0, "q_proj,v_proj,gate_proj,up_proj,down_proj")
+    attention_only = Qwen3MoeForCausalLM(moe.config)
+    lora.attach_lora(attention_only, 4, 8.0, 0.0, "q_proj,k_proj,v_proj,o_proj")
+    assert lora.is_lora(attention_only)
+
+
 @pytest.mark.parametrize(
     ("sections", "message"),
     [
