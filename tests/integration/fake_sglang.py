@@ -22,6 +22,9 @@ Scheduling rules copied from the pinned source (facts, not code):
 - with `--api-key` every request but /health* needs `Authorization: Bearer <key>`
   (srt/utils/auth.py, decide_request_auth).
 
+LoRA (`--enable-lora`, adapters loaded by name, `lora_path` on /generate, `GET /v1/models`) is
+fake_sglang_lora.py, with the rules it copies.
+
 Test-only endpoints: `GET /relax_test/events` (generate start/end with the weight version, retract,
 update begin/end, pause, continue), `GET /relax_test/digest` (sha256 of every parameter's bytes)
 and `GET /relax_test/loaded` (every weight name sent: consumed or ignored by load_weights).
@@ -45,6 +48,7 @@ import torch
 from relax_core.models.routing_replay import attach_routing_replay
 from relax_core.rollout.engine import SamplingParams
 from relax_core.rollout.torch_engine import TorchEngine
+from tests.integration.fake_sglang_lora import FakeLoRA
 from tests.integration.fake_sglang_weights import FakeWeights, ServerError
 
 BASE = {"rid", "http_worker_ipc"}  # every control request's BaseReq fields (io_struct.py)
@@ -52,7 +56,7 @@ UPDATE = {"flush_cache", "abort_all_requests", "weight_version", "selector", "to
 REQUIRED = {
     "/generate": (
         {"input_ids", "sampling_params"},
-        {"return_logprob", "stream", "rid", "return_routed_experts"},
+        {"return_logprob", "stream", "rid", "return_routed_experts", "lora_path"},
     ),
     "/init_weights_update_group": (
         {"master_address", "master_port", "rank_offset", "world_size"},
@@ -75,6 +79,11 @@ REQUIRED = {
     ),
     "/release_memory_occupation": (set(), {"tags"}),
     "/resume_memory_occupation": (set(), {"tags"}),
+    "/load_lora_adapter_from_tensors": (
+        {"lora_name", "config_dict", "serialized_named_tensors"},
+        {"pinned", "added_tokens_config", "lora_id", "load_format", "expected_checksums"},
+    ),
+    "/unload_lora_adapter": ({"lora_name"}, {"lora_id"}),
 }
 MEMORY_TAGS = {"weights", "kv_cache", "cuda_graph"}
 SAMPLING = {"max_new_tokens", "temperature", "top_p", "skip_special_tokens", "stop_token_ids"}
@@ -97,6 +106,7 @@ class FakeSGLang:
         tp_size: int = 1,
         dp_size: int = 1,
         warmup_s: float = 0.0,
+        lora: dict | None = None,
     ) -> None:
         self.moe = bool(getattr(model.config, "num_experts", 0))
         if self.moe:
@@ -123,6 +133,8 @@ class FakeSGLang:
         needs 'weights' held."""
         self.tp_size, self.dp_size = tp_size, dp_size
         self.weights = FakeWeights(self, tp_size, dp_size)
+        self.lora = FakeLoRA(self, **(lora or {}))
+        self.served_model = "fake"
 
     def event(self, *what) -> None:
         with self.cond:
@@ -202,21 +214,27 @@ class FakeSGLang:
         )
         if self.released:
             raise BadRequest(f"generate while memory is released ({sorted(self.released)})")
+        adapters = self.lora.acquire(body.get("lora_path"), len(prompts))
         self.local.tokens, self.local.retractions = 0, 0
-        with self.cond:  # queued until generation runs and the model is free
-            self.waiting += 1
-            self._take_model()
-            self.waiting, self.running = self.waiting - 1, self.running + 1
         try:
-            self.event("generate_start", self.weight_version)
-            time.sleep(self.generate_delay_s)
-            completions = self.engine.generate(prompts, params)
-            version = self.weight_version
-            self.event("generate_end", version)
+            with self.cond:  # queued until generation runs and the model is free
+                self.waiting += 1
+                self._take_model()
+                self.waiting, self.running = self.waiting - 1, self.running + 1
+            try:
+                self.event("generate_start", self.weight_version)
+                if any(adapters):
+                    self.event("lora_generate", sorted({a.name for a in adapters if a}))
+                time.sleep(self.generate_delay_s)
+                completions = self._generate_with(prompts, params, adapters)
+                version = self.weight_version
+                self.event("generate_end", version)
+            finally:
+                with self.cond:
+                    self.running -= 1
+                    self._give_model()
         finally:
-            with self.cond:
-                self.running -= 1
-                self._give_model()
+            self.lora.release(adapters)
         out = []
         for i, c in enumerate(completions):
             meta = {
@@ -236,6 +254,18 @@ class FakeSGLang:
                 meta["routed_experts"] = base64.b64encode(experts.tobytes()).decode("utf-8")
             out.append({"text": "", "output_ids": c.response_ids, "meta_info": meta})
         return out[0] if single else out
+
+    def _generate_with(self, prompts: list, params: SamplingParams, adapters: list) -> list:
+        """Each adapter's prompts together, under it (SGLang batches requests of at most
+        --max-loras-per-batch adapters; one at a time is within that)."""
+        out: list = [None] * len(prompts)
+        for adapter in {id(a): a for a in adapters}.values():
+            rows = [i for i, a in enumerate(adapters) if a is adapter]
+            with self.lora.applied(adapter):
+                done = self.engine.generate([prompts[i] for i in rows], params)
+            for i, completion in zip(rows, done, strict=True):
+                out[i] = completion
+        return out
 
     def pause(self, body: dict) -> dict:
         mode = body.get("mode", "abort")
@@ -299,6 +329,8 @@ FAIL_400 = {
     "/update_weights_from_disk",
     "/begin_weight_update",
     "/end_weight_update",
+    "/load_lora_adapter_from_tensors",
+    "/unload_lora_adapter",
 }
 
 
@@ -318,6 +350,8 @@ def serve(state: FakeSGLang, port: int, api_key: str = "") -> ThreadingHTTPServe
         "/update_weights_from_disk": w.update_disk,
         "/release_memory_occupation": state.release,
         "/resume_memory_occupation": state.resume_memory,
+        "/load_lora_adapter_from_tensors": state.lora.load_from_tensors,
+        "/unload_lora_adapter": state.lora.unload,
     }
 
     class Handler(BaseHTTPRequestHandler):
@@ -350,6 +384,7 @@ def serve(state: FakeSGLang, port: int, api_key: str = "") -> ThreadingHTTPServe
                     "weight_version": state.weight_version,
                 },
                 "/get_server_info": state.server_info,
+                "/v1/models": lambda: state.lora.models(state.served_model),
                 "/server_info": state.server_info,
                 "/relax_test/events": lambda: state.events,
                 "/relax_test/digest": state.digest,
@@ -402,12 +437,23 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--weight-version", default="default")
     p.add_argument("--api-key", default="")
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--max-lora-rank", type=int)
+    p.add_argument("--lora-target-modules", nargs="*")
+    p.add_argument("--max-loras-per-batch", type=int, default=8)
     a = p.parse_args()
     torch.set_num_threads(1)
     if a.checkpoint:
-        from relax_core.models.policy import load_policy
+        from relax_core.models.lora import has_adapter
+        from relax_core.models.policy import load_policy, load_tokenizer
 
-        model, tok = load_policy(a.checkpoint)
+        if has_adapter(a.checkpoint):  # SGLang loads the directory's weights: the base alone
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(a.checkpoint, dtype=torch.float32)
+            tok = load_tokenizer(a.checkpoint)
+        else:
+            model, tok = load_policy(a.checkpoint)
     else:
         from tests.integration.weight_sync_actors import tiny_policy
 
@@ -421,8 +467,15 @@ def main() -> None:
         a.tp_size,
         a.dp_size,
         a.warmup_s,
+        lora={
+            "enabled": a.enable_lora,
+            "max_rank": a.max_lora_rank,
+            "targets": a.lora_target_modules,
+            "max_per_batch": a.max_loras_per_batch,
+        },
     )
     state.weight_version = a.weight_version
+    state.served_model = a.checkpoint or "fake"
     serve(state, a.port, a.api_key).serve_forever()
 
 

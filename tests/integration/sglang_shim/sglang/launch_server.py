@@ -3,7 +3,9 @@
 Arguments a real server takes and this one cannot honour are refused, so the launcher's command
 line is checked as well: unknown flags are an error, as with SGLang's own argument parser.
 `--tp-size N` gives the server N ranks in the weight group (fake_sglang_ranks.py); `--dp-size`
-makes it refuse weight groups, as SGLang 0.5.23 does with data-parallel replicas. Test knobs come
+makes it refuse weight groups, as SGLang 0.5.23 does with data-parallel replicas; the LoRA flags
+(`--enable-lora`, `--max-lora-rank`, `--lora-target-modules` with SGLang's choices,
+`--max-loras-per-batch`) go to its LoRA side (fake_sglang_lora.py). Test knobs come
 from the environment: RELAX_TEST_SGLANG_DELAY_S (per request), RELAX_TEST_SGLANG_STEP_DELAY_S
 (per decode step), RELAX_TEST_SGLANG_WARMUP_S (how long /health answers 503 after start).
 """
@@ -14,6 +16,8 @@ import argparse
 import json
 import os
 import sys
+
+from tests.integration.fake_sglang_lora import SUPPORTED
 
 
 def main() -> None:
@@ -28,6 +32,10 @@ def main() -> None:
     p.add_argument("--skip-tokenizer-init", action="store_true")
     p.add_argument("--enable-memory-saver", action="store_true")
     p.add_argument("--enable-return-routed-experts", action="store_true")
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--max-lora-rank", type=int)
+    p.add_argument("--lora-target-modules", nargs="*", choices=[*SUPPORTED, "all"])
+    p.add_argument("--max-loras-per-batch", type=int, default=8)
     a = p.parse_args()
     record = os.environ.get("RELAX_TEST_SGLANG_ARGV")
     if record:
@@ -54,7 +62,15 @@ def main() -> None:
         str(a.tp_size),
         "--dp-size",
         str(a.dp_size),
+        "--max-loras-per-batch",
+        str(a.max_loras_per_batch),
     ]
+    if a.enable_lora:
+        sys.argv.append("--enable-lora")
+    if a.max_lora_rank is not None:
+        sys.argv += ["--max-lora-rank", str(a.max_lora_rank)]
+    if a.lora_target_modules:
+        sys.argv += ["--lora-target-modules", *a.lora_target_modules]
     fake_sglang.main()
 
 
