@@ -44,6 +44,7 @@ from flytekit.extras.accelerators import GPUAccelerator
 from relax_core.config import RunConfig, load_config
 from relax_core.ops.placement import demand, sglang_gpus
 from relax_core.roles.service import stage_chain
+from relax_core.rollout.sglang_lora import lora_flags, versions_kept
 from relax_core.rollout.sglang_server import server_flags
 from tasks.pods import TRAINER_IMAGE, model_pod, sglang_rollout_pod
 
@@ -155,7 +156,10 @@ def task_ask(cfg: RunConfig, task: str) -> Ask:
     accelerator = GPUAccelerator(cfg.services.accelerator) if cfg.services.accelerator else None
     sglang = cfg.rollout.engine == "sglang"
     if task == "sglang_rollout_service":
-        args = server_flags(cfg.services.rollout_gpus, cfg.sglang, False, cfg.train.routing_replay)
+        lora = lora_flags(cfg.train.lora, versions_kept(cfg))
+        args = server_flags(
+            cfg.services.rollout_gpus, cfg.sglang, False, cfg.train.routing_replay, lora
+        )
         requests, limits = _sizes(cfg, task, n)
         pod = sglang_rollout_pod(args, n, requests, limits, cfg.sglang.api_key_secret)
         driver = _resources(_sized(SGLANG_DRIVER, 1), 0)

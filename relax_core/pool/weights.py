@@ -5,8 +5,9 @@ The trainer is rank 0 of the broadcast group; its members are named `{role}-{wor
 (`engines.weight_members`, read again before every update, so the group follows the elastic
 pool). With the object-store transport there are no members: every receiver polls `weights/`.
 SGLang servers (registered by URL, or each rollout worker's own under `rollout.engine: sglang`)
-get the same updates through SGLang's own weight group (`TrainerSync`, sync/sglang.py); a run
-whose engines are all SGLang servers has no broadcast group unless actor_fwd needs one.
+get the same updates through SGLang's own weight group (`TrainerSync`, sync/sglang.py), or for a
+LoRA policy as adapters loaded by name (sync/sglang_lora.py); a run whose engines are all SGLang
+servers has no broadcast group unless actor_fwd needs one.
 """
 
 from __future__ import annotations
@@ -66,8 +67,20 @@ def make_sender(cfg: RunConfig, queue: TransferQueue, specs: list[Any]):
             host=host,
             timeout_s=s.start_timeout_s,
         )
+
+    def servers() -> list[tuple[str, str]]:  # read again at every update: the pool changes
+        return external_engines(cfg, queue)
+
+    if cfg.train.lora.rank > 0:  # the adapter alone, loaded by name on every server
+        from relax_core.rollout.sglang_lora import versions_kept
+        from relax_core.sync.sglang_lora import SGLangLoRASender
+
+        sglang = SGLangLoRASender(
+            servers, specs, cfg.train.lora.alpha, versions_kept(cfg), s.start_timeout_s
+        )
+        return TrainerSync(broadcast, sglang, queue)
     sglang = sglang_sender(
-        lambda: external_engines(cfg, queue),
+        servers,
         specs,
         bucket_bytes=s.bucket_mb << 20,
         backend=_backend(cfg),

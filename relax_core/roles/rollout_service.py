@@ -229,11 +229,19 @@ def _served_engine(ctx, url: str):
     tokenizer = AutoTokenizer.from_pretrained(ctx.checkpoint)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    lora = ctx.cfg.train.lora.rank > 0
     engine = SGLangEngine(
         SGLangClient(url, timeout_s=ctx.cfg.services.start_timeout_s),
         ctx.cfg.sglang.pause_mode,
         routed_experts=ctx.cfg.train.routing_replay,
+        lora=lora,
     )
+    if lora:  # the server has the base; the policy is the checkpoint's adapter until updated
+        from relax_core.rollout.sglang_lora import load_checkpoint_adapter
+        from relax_core.train.checkpoint import read_state
+
+        version = int(read_state(ctx.checkpoint)["policy_version"])
+        load_checkpoint_adapter(engine.client, ctx.checkpoint, version)
     weights = ServedWeights(engine, lambda: sglang_synced(ctx.queue, ctx.name), ctx.status)
     log.info("%s drives the SGLang server at %s", ctx.name, url)
     return engine, weights, tokenizer
@@ -244,6 +252,7 @@ def _own_server(ctx, state: dict[str, Any]):
     sidecar), published under control/sglang_servers/ so the trainer adds it to its SGLang
     weight group at its next update. Returns (URL, the server to stop or None)."""
     from relax_core.pool.engines import publish_server
+    from relax_core.rollout.sglang_lora import lora_flags, versions_kept
     from relax_core.rollout.sglang_server import attach_or_start
 
     cfg = ctx.cfg
@@ -259,6 +268,7 @@ def _own_server(ctx, state: dict[str, Any]):
         cfg.services.rollout_gpus,
         log_path,
         routed_experts=bool(getattr(cfg.train, "routing_replay", False)),
+        lora=lora_flags(cfg.train.lora, versions_kept(cfg)),
     )
     publish_server(ctx.queue, ctx.name, client.url)
     return client.url, server

@@ -22,6 +22,10 @@ The handover, by where the trainer's tensors are:
   safetensors under `sglang.handoff_dir` (node-local memory) and `/update_weights_from_disk
   {model_path, weight_version, flush_cache}`.
 
+A LoRA policy (`lora_alpha` set): the server keeps its base, and each version's adapter is
+loaded by name, `policy-v{N}`, the previous one unloaded (rollout/sglang_lora.py); generation
+names the newest. The adapter is small: it goes as CPU bytes, from any device.
+
 The generation RNG is the server's (its sampling seed), not saved in our checkpoints.
 Weights never go through a process group: a trainer rank and an SGLang rank on the same GPU
 cannot be two members of one NCCL group. The server must be started with
@@ -46,7 +50,14 @@ from torch.multiprocessing import reductions
 
 from relax_core.rollout.engine import Completion, SamplingParams
 from relax_core.rollout.expert_names import checkpoint_names
-from relax_core.rollout.sglang_engine import SGLangEngine
+from relax_core.rollout.sglang_engine import SGLangEngine, SGLangError
+from relax_core.rollout.sglang_lora import (
+    lora_flags,
+    peft_config,
+    peft_tensors,
+    publish_adapter,
+    versions_kept,
+)
 from relax_core.rollout.sglang_server import SGLangServer
 
 log = logging.getLogger(__name__)
@@ -67,6 +78,7 @@ class ColocatedSGLang:
         release_memory: bool = True,
         server: SGLangServer | None = None,
         bucket_bytes: int = 512 << 20,
+        lora_alpha: float | None = None,
     ) -> None:
         self.engine = engine
         self.handoff_dir = handoff_dir
@@ -75,6 +87,8 @@ class ColocatedSGLang:
         self.server = server
         self.bucket_bytes = bucket_bytes
         """At most this many bytes of tensors per /update_weights_from_tensor call."""
+        self.lora_alpha = lora_alpha
+        """A LoRA policy's alpha (its updates are adapters); None: full weights."""
         self._shape: tuple[int, int] | None = None
         self.released: set[str] = set()
         """Memory tags the server has given back (all of them while the trainer runs)."""
@@ -111,7 +125,9 @@ class ColocatedSGLang:
             self.engine.resume_memory(["weights"])
             self.released.discard("weights")
         tp_size, dp_size = self._server_shape()
-        if first[1].is_cuda and dp_size == 1:
+        if self.lora_alpha is not None:
+            self._load_adapter(named, version, tp_size, dp_size)
+        elif first[1].is_cuda and dp_size == 1:
             self._update_by_ipc(named, version, tp_size)
         else:
             self._update_from_disk(named, version)
@@ -129,6 +145,17 @@ class ColocatedSGLang:
                     self.handoff_dir,
                 )
         return self._shape
+
+    def _load_adapter(self, named: Iterator, version: int, tp_size: int, dp_size: int) -> None:
+        if dp_size != 1:
+            raise SGLangError(
+                f"{self.engine.client.url} runs {dp_size} data-parallel replicas: SGLang 0.5.23 "
+                "loads LoRA adapters only on a server with one"
+            )
+        tensors = peft_tensors(named)
+        config = peft_config({n: tuple(t.shape) for n, t in tensors.items()}, self.lora_alpha)
+        publish_adapter(self.engine.client, version, tensors, config, tp_size, keep=1)
+        self.engine.use_adapter(version)
 
     def _update_by_ipc(self, named: Iterator, version: int, tp_size: int) -> None:
         client = self.engine.client
@@ -198,10 +225,9 @@ class ColocatedSGLang:
 def start_colocated(cfg, policy_dir: str, version: int, run_dir: str) -> ColocatedSGLang:
     """The colocate engine of `cfg` (rollout.engine 'sglang'): its server started on the
     policy (or sglang.url), sleeping between generations when sglang.release_memory."""
-    from relax_core.rollout.sglang_engine import SGLangEngine
     from relax_core.rollout.sglang_server import attach_or_start
 
-    g = cfg.sglang
+    g, lora = cfg.sglang, cfg.train.lora
     replay = bool(getattr(cfg.train, "routing_replay", False))
     client, server = attach_or_start(
         g,
@@ -212,12 +238,16 @@ def start_colocated(cfg, policy_dir: str, version: int, run_dir: str) -> Colocat
         os.path.join(run_dir, "logs", "sglang-colocate.log"),
         memory_saver=g.release_memory,
         routed_experts=replay,
+        lora=lora_flags(lora, versions_kept(cfg)),
     )
-    engine = SGLangEngine(client, g.pause_mode, routed_experts=replay)
+    engine = SGLangEngine(client, g.pause_mode, routed_experts=replay, lora=lora.rank > 0)
     engine.version = version
     handoff = os.path.join(g.handoff_dir, os.path.basename(run_dir.rstrip("/")))
     bucket_bytes = cfg.services.bucket_mb << 20
-    return ColocatedSGLang(engine, handoff, policy_dir, g.release_memory, server, bucket_bytes)
+    alpha = lora.alpha if lora.rank > 0 else None
+    return ColocatedSGLang(
+        engine, handoff, policy_dir, g.release_memory, server, bucket_bytes, alpha
+    )
 
 
 def _batches(named: Iterator, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -16,6 +16,10 @@ this side only speaks HTTP:
 - Weights reach the server through the trainer's own process group (sync/sglang.py drives
   `/init_weights_update_group` and `/update_weights_from_distributed`); `update_weights` here
   refuses, naming that path.
+- A LoRA policy (`lora=True`): the server holds the frozen base, and each policy version is an
+  adapter loaded by name, `policy-v{N}` (rollout/sglang_lora.py). `GET /v1/models` lists the
+  loaded adapters; the engine serves the newest, passing its name as `lora_path`, and that name
+  is the version of everything the request generates (the server's weight_version is the base's).
 
 The policy version of a completion: the server reports the weight version that ended it; the
 version the engine held when the request went out is its first token's. When they differ, a
@@ -44,6 +48,19 @@ from relax_core.rollout.engine import Completion, SamplingParams
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 API_KEY_ENV = "RELAX_SGLANG_API_KEY"
+ADAPTER_PREFIX = "policy-v"
+"""A LoRA policy's version N is the adapter named `policy-v{N}` on a server (an adapter name
+is loaded once: each version gets its own)."""
+
+
+def adapter_name(version: int) -> str:
+    return f"{ADAPTER_PREFIX}{version}"
+
+
+def adapter_version(name: str) -> int | None:
+    """N of an adapter named `policy-v{N}`; None for any other adapter."""
+    digits = name[len(ADAPTER_PREFIX) :] if name.startswith(ADAPTER_PREFIX) else ""
+    return int(digits) if digits.isdigit() else None
 
 
 class SGLangError(RuntimeError):
@@ -113,7 +130,11 @@ class SGLangEngine:
     """A `RolloutEngine` backed by one SGLang server (any tensor-parallel size)."""
 
     def __init__(
-        self, client: SGLangClient, pause_mode: str = "in_place", routed_experts: bool = False
+        self,
+        client: SGLangClient,
+        pause_mode: str = "in_place",
+        routed_experts: bool = False,
+        lora: bool = False,
     ) -> None:
         if pause_mode not in ("abort", "retract", "in_place"):
             raise ValueError(
@@ -123,8 +144,12 @@ class SGLangEngine:
         self.pause_mode = pause_mode
         self.routed_experts = routed_experts
         """Ask for each completion's routed experts (routing replay of an MoE policy)."""
+        self.lora = lora
+        """The policy is a LoRA adapter on the server's base (see the module doc)."""
         self.version = -1
         """The newest policy version the server reported (-1: still its launch weights)."""
+        self.adapter: str | None = None
+        """LoRA: the adapter requests name (`policy-v{version}`); None until one is loaded."""
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, media: list | None = None
@@ -146,7 +171,20 @@ class SGLangEngine:
         }
         if self.routed_experts:
             body["return_routed_experts"] = True
-        answers = self.client.post("/generate", body)
+        if self.lora:
+            body["lora_path"] = self._adapter_to_serve()
+            first = self.version  # the adapter's
+        try:
+            answers = self.client.post("/generate", body)
+        except SGLangError as err:
+            if not self.lora or body["lora_path"] not in str(err):
+                raise
+            # The trainer unloaded this adapter after we chose it (it moved on): SGLang refuses
+            # a request naming it before generating anything, so ask again with the newest.
+            self.refresh_version()
+            if self.adapter == body["lora_path"]:
+                raise
+            return self.generate(prompts, params, media)
         if isinstance(answers, dict):
             answers = [answers]
         if not isinstance(answers, list) or len(answers) != len(prompts):
@@ -175,7 +213,8 @@ class SGLangEngine:
                 f"{self.client.url}/generate result {i}: output_ids and the token ids of "
                 "output_token_logprobs differ"
             )
-        served = parse_version(meta.get("weight_version"))
+        # A LoRA request runs on its adapter alone; the server's weight_version is the base's.
+        served = None if self.lora else parse_version(meta.get("weight_version"))
         last = served if served is not None else first
         self.version = max(self.version, last)
         start = first if first >= 0 else last
@@ -193,12 +232,32 @@ class SGLangEngine:
         )
 
     def refresh_version(self) -> int:
-        """Ask the server which weights it serves; updates and returns `version`."""
+        """Ask the server which weights it serves (LoRA: its newest policy adapter); updates
+        and returns `version`."""
+        if self.lora:
+            held = served_adapters(self.client)
+            if held:
+                self.use_adapter(max(held))
+            return self.version
         info = self.client.get("/get_model_info")
         served = parse_version(info.get("weight_version") if isinstance(info, dict) else None)
         if served is not None:
             self.version = served
         return self.version
+
+    def use_adapter(self, version: int) -> None:
+        """LoRA: serve adapter `policy-v{version}` from now on."""
+        self.version, self.adapter = version, adapter_name(version)
+
+    def _adapter_to_serve(self) -> str:
+        if self.adapter is None:
+            self.refresh_version()
+        if self.adapter is None:
+            raise SGLangError(
+                f"{self.client.url} holds no adapter of the LoRA policy ({ADAPTER_PREFIX}N in "
+                "GET /v1/models): its base alone is not the policy"
+            )
+        return self.adapter
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         raise NotImplementedError(
@@ -236,6 +295,18 @@ class SGLangEngine:
             raise SGLangError(
                 f"{self.client.url}/get_server_info has no usable tp_size/dp_size"
             ) from err
+
+
+def served_adapters(client: SGLangClient) -> dict[int, str]:
+    """The policy adapters a server holds, {version: name}, from `GET /v1/models` (the base
+    model's card, then one per loaded adapter: `id` its name, `parent` the base)."""
+    listing = client.get("/v1/models")
+    try:
+        cards = [card["id"] for card in listing["data"] if card.get("parent")]
+    except (KeyError, TypeError) as err:
+        raise SGLangError(f"{client.url}/v1/models: no model list ({listing!r:.200})") from err
+    held = {adapter_version(str(name)): str(name) for name in cards}
+    return {v: name for v, name in held.items() if v is not None}
 
 
 def parse_routed_experts(meta: dict[str, Any], num_tokens: int, where: str) -> list[list[int]]:

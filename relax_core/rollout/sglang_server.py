@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from relax_core.config import SGLangConfig
@@ -47,26 +48,32 @@ def server_command(
     host: str = "127.0.0.1",
     memory_saver: bool = False,
     routed_experts: bool = False,
+    lora: Sequence[str] = (),
 ) -> list[str]:
     """The `sglang.launch_server` command line. Token ids go in and out (the rollout role holds
     the tokenizer), so the server skips its own tokenizer."""
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path]
     cmd += ["--host", host, "--port", str(port), "--weight-version", str(version)]
     cmd.append("--skip-tokenizer-init")
-    return cmd + server_flags(tp_size, cfg, memory_saver, routed_experts)
+    return cmd + server_flags(tp_size, cfg, memory_saver, routed_experts, lora)
 
 
 def server_flags(
-    tp_size: int, cfg: SGLangConfig, memory_saver: bool = False, routed_experts: bool = False
+    tp_size: int,
+    cfg: SGLangConfig,
+    memory_saver: bool = False,
+    routed_experts: bool = False,
+    lora: Sequence[str] = (),
 ) -> list[str]:
     """The launch flags the run's settings decide, shared by a server started here and the
-    rollout pod's sidecar (containers/rollout/serve.sh adds model, address and version)."""
+    rollout pod's sidecar (containers/rollout/serve.sh adds model, address and version);
+    `lora`: a LoRA policy's (sglang_lora.lora_flags)."""
     flags = ["--tp-size", str(tp_size), "--mem-fraction-static", str(cfg.mem_fraction_static)]
     if memory_saver:
         flags.append("--enable-memory-saver")
     if routed_experts:
         flags.append("--enable-return-routed-experts")
-    return flags + shlex.split(cfg.extra_args)
+    return flags + list(lora) + shlex.split(cfg.extra_args)
 
 
 def _die_with_parent() -> None:
@@ -98,12 +105,22 @@ class SGLangServer:
         log_path: str,
         memory_saver: bool = False,
         routed_experts: bool = False,
+        lora: Sequence[str] = (),
     ) -> SGLangServer:
         python = cfg.python or os.environ.get("RELAX_SGLANG_PYTHON") or sys.executable
         host = "127.0.0.1"
         port = free_port(host)
         cmd = server_command(
-            python, model_path, port, tp_size, version, cfg, host, memory_saver, routed_experts
+            python,
+            model_path,
+            port,
+            tp_size,
+            version,
+            cfg,
+            host,
+            memory_saver,
+            routed_experts,
+            lora,
         )
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
         with open(log_path, "ab") as out:
@@ -180,6 +197,7 @@ def attach_or_start(
     log_path: str,
     memory_saver: bool = False,
     routed_experts: bool = False,
+    lora: Sequence[str] = (),
 ) -> tuple[SGLangClient, SGLangServer | None]:
     """A healthy server for rollout worker `worker`: the configured one (publishing the policy
     first when $RELAX_MODEL_DIR asks for it) or one started here (returned, for the caller to
@@ -187,7 +205,7 @@ def attach_or_start(
     url = server_url(cfg, worker)
     if not url:
         server = SGLangServer.start(
-            checkpoint, cfg, tp_size, version, log_path, memory_saver, routed_experts
+            checkpoint, cfg, tp_size, version, log_path, memory_saver, routed_experts, lora
         )
         return server.client, server
     model_dir = os.environ.get("RELAX_MODEL_DIR")

@@ -113,7 +113,14 @@ class RunSession:
             from relax_core.rollout.sglang_colocate import start_colocated
 
             local_run = local_dir_for(self.run_dir, cfg.storage.scratch_dir)
-            return start_colocated(cfg, model_dir, version, local_run)
+            engine = start_colocated(cfg, model_dir, version, local_run)
+            if lora.is_lora(self.model):  # the server holds the base; the adapter goes by name
+                try:
+                    engine.update_weights(lora.synced_weights(self.model), version)
+                except BaseException:
+                    engine.close()
+                    raise
+            return engine
         engine_model = on_accelerator(self._copy_in_model_dtype())
         if cfg.train.routing_replay:  # the engine records the experts the trainer replays
             attach_routing_replay(engine_model)
