@@ -88,3 +88,37 @@ def test_a_bf16_colocate_run_trains_on_the_gpu_with_master_weights(small_config,
     assert {t.dtype for t in master.values()} == {torch.float32}
     for name, weight in master.items():
         assert torch.equal(policy[name], weight.to(torch.bfloat16)), name
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_bf16_lora_colocate_run_trains_float32_adapters_on_the_gpu(small_config, workdir):
+    pytest.importorskip("mlflow", reason="a run needs the full runtime (pip install -e .)")
+    cfg = small_config(
+        "lora.yaml",
+        run_name="l",
+        model={"dtype": "bfloat16"},
+        # The KL anchor is the policy itself with its adapters off, on the GPU.
+        algorithm={"entropy_coef": 0.01, "kl_coef": 0.01},
+        train={
+            "total_steps": 4,
+            "checkpoint_every": 2,
+            "torch_threads": 0,
+            "lr": 5e-3,
+            "lora": {"rank": 4},
+        },
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "relax_core.entrypoints.run", "--cfg", cfg],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ckpt = find_resume_checkpoint(str(workdir / ".relax" / "checkpoints"), "l")
+    base = load_file(os.path.join(ckpt, "model.safetensors"))
+    adapter = load_file(os.path.join(ckpt, "adapter", "adapter_model.safetensors"))
+    assert {t.dtype for t in base.values()} == {torch.bfloat16}
+    assert {t.dtype for t in adapter.values()} == {torch.float32}
+    assert any(t.abs().sum() > 0 for n, t in adapter.items() if "lora_B" in n)
+    assert not os.path.exists(os.path.join(ckpt, MASTER_WEIGHTS_FILE))  # the base never trains
