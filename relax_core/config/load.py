@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -23,6 +24,10 @@ import yaml
 
 from relax_core.config.checks import validate
 from relax_core.config.sections import RunSections
+
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+"""A number in exponent notation: `lr: 1e-6` is text to PyYAML (YAML 1.1 wants `1.0e-6`), and to
+flytekit's YAML reading of `--cfg`, but a number to YAML 1.2 and to whoever wrote it."""
 
 
 class ConfigError(ValueError):
@@ -89,6 +94,8 @@ def _coerce(value: Any, tp: Any, path: str, errors: list[str]) -> Any:
             errors.append(f"{path}: expected true or false, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
+            return float(value)  # YAML 1.1 reads 1e-6 (no dot) as text: it means the number
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             errors.append(f"{path}: expected a number, got {value!r}")
             return value

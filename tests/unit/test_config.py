@@ -47,6 +47,16 @@ def test_wrong_types_are_all_reported_together():
     assert "seed: expected an integer, got True" in msg
 
 
+def test_a_learning_rate_in_exponent_notation_is_a_number_in_yaml(tmp_path):
+    # PyYAML (YAML 1.1) and so flytekit's reading of --cfg take `1e-6` for text.
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  lr: 5e-6\nalgorithm:\n  kl_coef: 1E-3\n")
+    cfg = load_config(str(path))
+    assert cfg.train.lr == 5e-6 and cfg.algorithm.kl_coef == 1e-3
+    with pytest.raises(ConfigError, match="train.lr: expected a number, got '5e-6x'"):
+        config_from_dict({"train": {"lr": "5e-6x"}})
+
+
 def test_invalid_choice_lists_allowed_values():
     with pytest.raises(ConfigError, match=r"algorithm.kl_kind: 'k9' is not one of k1, k2, k3"):
         config_from_dict({"algorithm": {"kl_kind": "k9"}})
