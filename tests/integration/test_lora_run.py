@@ -89,8 +89,8 @@ def _versions(run_dir: str) -> dict[int, str]:
 
 
 def test_async_engines_sample_with_the_adapter_version_they_report(small_config, workdir):
-    """max_staleness 1 over several versions: every rollout row must have been sampled with the
-    adapter of the version it is stamped with (its log-probs are that checkpoint's, not the
+    """max_staleness 1 over several versions, adapters through the object store: every rollout
+    row must have been sampled with the adapter of the version it is stamped with (its log-probs are that checkpoint's, not the
     starting adapter's nor the one before), and no row trains more than one version late."""
     steps = 6
     cfg = small_config(
@@ -102,7 +102,9 @@ def test_async_engines_sample_with_the_adapter_version_they_report(small_config,
         train={"total_steps": steps, "checkpoint_every": 1, "lr": 3e-2, "lora": {"rank": 4}},
         algorithm={"entropy_coef": 0.01},
         queue={"keep_versions": 100},
-        services=ASYNC["services"],
+        # Adapters through the object store (the broadcast group is the other tests'), to the
+        # rollout engine and to actor_fwd.
+        services={**ASYNC["services"], "weight_sync": "object_store", "actor_fwd": True},
     )
     _finish(_run(cfg))
     final = _final(workdir, "s")
