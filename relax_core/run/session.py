@@ -121,7 +121,7 @@ class RunSession:
                     engine.close()
                     raise
             return engine
-        engine_model = on_accelerator(self._copy_in_model_dtype())
+        engine_model = on_accelerator(self._engine_copy())
         if cfg.train.routing_replay:  # the engine records the experts the trainer replays
             attach_routing_replay(engine_model)
         engine = TorchEngine(
@@ -129,6 +129,16 @@ class RunSession:
         )
         engine.version = version
         return engine
+
+    def _engine_copy(self) -> torch.nn.Module:
+        """The torch engine's policy. A LoRA policy on the torch backend shares the trainer's
+        frozen base tensors (already in model.dtype, and never written) and holds its own
+        adapters, which weight sync updates: no second copy of the base. Otherwise a copy in
+        model.dtype (the FSDP2 backend shards the trainer's tensors after this)."""
+        if not (lora.is_lora(self.model) and self.backend_name == "torch"):
+            return self._copy_in_model_dtype()
+        frozen = {id(p): p for p in self.model.parameters() if not p.requires_grad}
+        return copy.deepcopy(self.model, memo=frozen)
 
     def _copy_in_model_dtype(self) -> torch.nn.Module:
         """A copy of the policy in model.dtype (the trainer's may be float32 master weights;

@@ -66,8 +66,19 @@ def _check_registered_lora_policy(cfg_path, ckpt, adapter, workdir) -> None:
 
     from relax_core.config import load_config
     from relax_core.run.evaluate import evaluate_checkpoint
+    from relax_core.run.session import RunSession
 
     cfg = load_config(cfg_path)
+    # A colocate session's torch engine shares the trainer's frozen base, not a copy of it,
+    # and holds adapters of its own, equal to the trainer's after a sync.
+    session = RunSession.from_checkpoint(cfg, ckpt)
+    engine, trainer = session.engine.model, session.model
+    for (name, mine), theirs in zip(engine.named_parameters(), trainer.parameters(), strict=True):
+        if ".lora_" in name:
+            assert mine is not theirs and torch.equal(mine, theirs), name
+        else:
+            assert mine is theirs, name
+    session.close()
     ev = evaluate_checkpoint(cfg, "", k=2, n_samples=2, model="models:/lora-policy/latest")
     assert ev["checkpoint"] == "models:/lora-policy/1" and ev["policy_version"] == 4
     final_eval = _metrics(workdir, read_state(ckpt)["tracking_run_id"], "eval/accuracy")[-1]
