@@ -50,12 +50,13 @@ from torch.multiprocessing import reductions
 
 from relax_core.rollout.engine import Completion, SamplingParams
 from relax_core.rollout.expert_names import checkpoint_names
-from relax_core.rollout.sglang_engine import SGLangEngine, SGLangError
+from relax_core.rollout.sglang_engine import SGLangEngine
 from relax_core.rollout.sglang_lora import (
     lora_flags,
     peft_config,
     peft_tensors,
     publish_adapter,
+    require_one_replica,
     versions_kept,
 )
 from relax_core.rollout.sglang_server import SGLangServer
@@ -147,11 +148,7 @@ class ColocatedSGLang:
         return self._shape
 
     def _load_adapter(self, named: Iterator, version: int, tp_size: int, dp_size: int) -> None:
-        if dp_size != 1:
-            raise SGLangError(
-                f"{self.engine.client.url} runs {dp_size} data-parallel replicas: SGLang 0.5.23 "
-                "loads LoRA adapters only on a server with one"
-            )
+        require_one_replica(self.engine.client.url, dp_size)
         tensors = peft_tensors(named)
         config = peft_config({n: tuple(t.shape) for n, t in tensors.items()}, self.lora_alpha)
         publish_adapter(self.engine.client, version, tensors, config, tp_size, keep=1)

@@ -152,12 +152,18 @@ def server_shape(client: SGLangClient) -> int:
     """The server's TP size; SGLangError for one with data-parallel replicas, which SGLang
     0.5.23 refuses adapters on."""
     tp, dp = SGLangEngine(client).parallel_shape()
-    if dp != 1:
+    require_one_replica(client.url, dp)
+    return tp
+
+
+def require_one_replica(url: str, dp_size: int) -> None:
+    """SGLangError for a server with data-parallel replicas, which SGLang 0.5.23 refuses
+    adapters on."""
+    if dp_size != 1:
         raise SGLangError(
-            f"{client.url} runs {dp} data-parallel replicas: SGLang 0.5.23 loads LoRA adapters "
+            f"{url} runs {dp_size} data-parallel replicas: SGLang 0.5.23 loads LoRA adapters "
             "only on a server with one (dp_size == 1); run one server per replica instead"
         )
-    return tp
 
 
 def publish_adapter(

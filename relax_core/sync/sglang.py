@@ -64,6 +64,20 @@ Engines = Sequence[tuple[str, str]] | Callable[[], Sequence[tuple[str, str]]]
 """(name, URL) of the SGLang servers to keep in sync: fixed, or a function giving them now."""
 
 
+def engines_source(engines: Engines) -> Callable[[], Sequence[tuple[str, str]]]:
+    """`engines` as a function giving the servers now."""
+    return engines if callable(engines) else (lambda fixed=tuple(engines): fixed)
+
+
+def wanted_engines(source: Callable[[], Sequence[tuple[str, str]]]) -> list[tuple[str, str]]:
+    """The servers `source` gives now, as (name, URL) strings; ValueError when names repeat."""
+    engines = [(str(n), str(u)) for n, u in source()]
+    names = [n for n, _ in engines]
+    if len(set(names)) != len(names):
+        raise ValueError(f"SGLang engine names repeat: {names}")
+    return engines
+
+
 class SGLangSender:
     """Rank 0 of a weight group whose other ranks are SGLang servers' tensor-parallel ranks."""
 
@@ -79,7 +93,7 @@ class SGLangSender:
         pause_mode: str = "retract",
         previous: dict[str, Any] | None = None,
     ) -> None:
-        self._engines = engines if callable(engines) else (lambda fixed=tuple(engines): fixed)
+        self._engines = engines_source(engines)
         self.specs = list(specs)
         self.buckets = plan_buckets(self.specs, bucket_bytes)
         self.backend = backend
@@ -108,11 +122,7 @@ class SGLangSender:
         self._buffer: torch.Tensor | None = None
 
     def wanted(self) -> list[tuple[str, str]]:
-        engines = [(str(n), str(u)) for n, u in self._engines()]
-        names = [n for n, _ in engines]
-        if len(set(names)) != len(names):
-            raise ValueError(f"SGLang engine names repeat: {names}")
-        return engines
+        return wanted_engines(self._engines)
 
     def needs_reform(self) -> bool:
         return self.wanted() != self.members

@@ -12,7 +12,6 @@ that hold the trainer's adapter, `generation` counts the changes of that set.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -25,9 +24,7 @@ from relax_core.rollout.sglang_lora import (
     server_shape,
 )
 from relax_core.sync.buckets import NamedTensors, TensorSpec
-
-Engines = Sequence[tuple[str, str]] | Callable[[], Sequence[tuple[str, str]]]
-"""(name, URL) of the SGLang servers to keep in sync: fixed, or a function giving them now."""
+from relax_core.sync.sglang import Engines, engines_source, wanted_engines
 
 
 class SGLangLoRASender:
@@ -41,7 +38,7 @@ class SGLangLoRASender:
         keep: int,
         timeout_s: float = 600.0,
     ) -> None:
-        self._engines = engines if callable(engines) else (lambda fixed=tuple(engines): fixed)
+        self._engines = engines_source(engines)
         self.specs = {s.name: tuple(s.shape) for s in specs}
         self.config = peft_config(self.specs, alpha)
         """The PEFT adapter_config.json every version is loaded with."""
@@ -56,11 +53,7 @@ class SGLangLoRASender:
         self._pool: ThreadPoolExecutor | None = None
 
     def wanted(self) -> list[tuple[str, str]]:
-        engines = [(str(n), str(u)) for n, u in self._engines()]
-        names = [n for n, _ in engines]
-        if len(set(names)) != len(names):
-            raise ValueError(f"SGLang engine names repeat: {names}")
-        return engines
+        return wanted_engines(self._engines)
 
     def needs_reform(self) -> bool:
         return self.wanted() != self.members
