@@ -8,11 +8,13 @@ from typing import Any
 from relax_core.envs import calculator, guess_number
 from relax_core.envs.calculator import CalculatorEnv
 from relax_core.envs.guess_number import GuessNumberEnv
+from relax_core.envs.openenv import OpenEnvEnv
 from relax_core.envs.protocol import EnvFactory, load_env
 
 ENVS: dict[str, type] = {
     "calculator": CalculatorEnv,
     "guess_number": GuessNumberEnv,
+    "openenv": OpenEnvEnv,
 }
 DEMONSTRATIONS: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
     "calculator": calculator.demonstration,
@@ -22,9 +24,9 @@ DEMONSTRATIONS: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
 
 
 def resolve_env(name: str, **kwargs: Any) -> EnvFactory:
-    """A factory of fresh envs for `name`: a shipped env ('calculator', 'guess_number') or a
-    user env 'module:Class'. One env is built now so a bad name or keyword fails early; raises
-    ValueError or TypeError naming the env."""
+    """A factory of fresh envs for `name`: a shipped env ('calculator', 'guess_number',
+    'openenv') or a user env 'module:Class'. One env is built now so a bad name or keyword
+    fails early; raises ValueError or TypeError naming the env."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"env name must be a non-empty string, got {name!r}")
     name = name.strip()
