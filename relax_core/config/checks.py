@@ -77,10 +77,28 @@ def _check_qwen(e: list[str], cfg: RunSections) -> None:
 def _check_env(e: list[str], cfg: RunSections) -> None:
     """Episode limits of a multi-turn run (the env itself is resolved at preflight)."""
     v, r = cfg.env, cfg.rollout
-    if not v.name.strip():
+    if v.agent.strip():
+        if v.name.strip():
+            e.append(
+                "env.agent: set together with env.name; an episode is played either by the loop "
+                "against an env or by your agent through the endpoint, not both"
+            )
+        positive(e, "env.agent_workers", v.agent_workers)
+        if not v.agent_timeout_s > 0:
+            e.append(f"env.agent_timeout_s: must be > 0, got {v.agent_timeout_s}")
+        if cfg.warm_start.steps:
+            e.append("warm_start.steps: an agent run has no demonstrations to warm-start on; use 0")
+        if cfg.model.kind not in ("tiny-qwen3", "pretrained"):
+            e.append(
+                f"env.agent: the endpoint serves text policies (model.kind 'tiny-qwen3' or "
+                f"'pretrained'), not {cfg.model.kind!r}"
+            )
+    if not v.episodic:
         if v.kwargs:
             e.append("env.kwargs: set, but env.name is empty (a single-turn run has no env)")
         return
+    if v.kwargs and not v.name.strip():
+        e.append("env.kwargs: set, but env.name is empty (an agent takes no env kwargs)")
     positive(e, "env.max_turns", v.max_turns)
     if v.max_episode_tokens < r.max_new_tokens:
         e.append(
@@ -148,9 +166,9 @@ def _check_routing_replay(e: list[str], cfg: RunSections) -> None:
             f"train.routing_replay: needs a text MoE policy (model.kind 'tiny-qwen3' with "
             f"model.num_experts > 0, or a pretrained MoE); model.kind {m.kind!r} is not one"
         )
-    if cfg.env.name:
+    if cfg.env.episodic:
         e.append(
-            "train.routing_replay: multi-turn rows (env.name set) carry no routed experts for "
+            "train.routing_replay: multi-turn rows (env.name or env.agent set) carry no routed experts for "
             "their observation tokens; use a single-turn run or routing_replay: false"
         )
 

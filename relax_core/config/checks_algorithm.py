@@ -93,7 +93,7 @@ def check_algorithm(e: list[str], cfg: RunSections) -> None:
     positive(e, "rollout.max_sampling_rounds", r.max_sampling_rounds)
     positive(e, "reward.overlong_buffer", w.overlong_buffer, allow_zero=True)
     budget, budget_name = r.max_new_tokens, "rollout.max_new_tokens"
-    if cfg.env.name:
+    if cfg.env.episodic:
         budget, budget_name = cfg.env.max_episode_tokens, "env.max_episode_tokens"
     if w.overlong_buffer >= budget > 0:
         e.append(

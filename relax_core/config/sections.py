@@ -56,6 +56,9 @@ class ModelConfig:
     """Tiny model: routed experts per MoE layer (a Qwen3-MoE policy); 0 = a dense MLP."""
     experts_per_token: int = 2
     """Tiny MoE model: experts the router picks per token (top-k), 1..num_experts."""
+    chat_template: str = ""
+    """A Jinja chat template file that replaces the tokenizer's own (empty = keep it); the
+    prepared policy's tokenizer carries it to every role."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,19 @@ class EnvConfig:
     reaches it is truncated (finish_reason 'length')."""
     kwargs: dict[str, str] = field(default_factory=dict)
     """Keyword arguments the env class is built with (strings)."""
+    agent: str = ""
+    """A user's agent 'module:function', run per episode against the OpenAI-compatible endpoint
+    (docs/agents.md; env.name stays empty). max_turns caps its calls, max_episode_tokens each
+    row's response tokens."""
+    agent_workers: int = 8
+    """Episodes whose agents run at once (threads)."""
+    agent_timeout_s: float = 300.0
+    """An agent still running after this long loses its episode (its later calls are refused)."""
+
+    @property
+    def episodic(self) -> bool:
+        """Rows are multi-turn episodes (an env or an agent), not single responses."""
+        return bool(self.name.strip() or self.agent.strip())
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,6 @@ batches) + trainer_ranks.py (ranks 1.. of a trainer over several GPUs).
 Shared by the roles: service.py (context, heartbeats, stop, the stage-serving loop), media.py
 (media per policy kind), evaluation.py (held-out eval), cores.py (CPU cores between local roles).
 
-May import: algorithms, config, data, envs, models, multimodal, pool, queue, rewards, rollout,
+May import: agents, algorithms, config, data, envs, models, multimodal, pool, queue, rewards, rollout,
 storage, sync, tracking, train.
 """

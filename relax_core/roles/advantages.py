@@ -10,6 +10,7 @@ import torch
 from relax_core.algorithms import ADVANTAGE_ESTIMATORS, distillation_advantages
 from relax_core.config import AlgorithmConfig
 from relax_core.queue import with_columns
+from relax_core.roles.rollout import episode_uid
 
 
 def add_advantages(
@@ -23,18 +24,30 @@ def add_advantages(
     group, or over the whole table for REINFORCE++; `token_level`: its statistics weigh each row
     by its trained tokens); with `distill_coef` > 0 each token also gets
     -coef * (rollout_logprobs - teacher_logprobs)."""
+    # One vote per episode: an agent episode's segments (several rows, one reward) count once.
+    episodes: dict[str, int] = {}
+    row_episode = [
+        episodes.setdefault(episode_uid(u), len(episodes)) for u in table.column("uid").to_pylist()
+    ]
+    first = {e: i for i, e in reversed(list(enumerate(row_episode)))}
+    picks = [first[e] for e in range(len(episodes))]
     group_ids = table.column("group_id").to_pylist()
     index: dict[str, int] = {}
-    group_index = torch.tensor([index.setdefault(g, len(index)) for g in group_ids])
-    rewards = torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32)
+    group_index = torch.tensor([index.setdefault(group_ids[i], len(index)) for i in picks])
+    all_rewards = table.column("reward").to_pylist()
+    rewards = torch.tensor([all_rewards[i] for i in picks], dtype=torch.float32)
     weights = None
     if token_level:
-        weights = torch.tensor([sum(m) for m in table.column("loss_mask").to_pylist()])
-    adv = ADVANTAGE_ESTIMATORS[estimator](
+        trained = [0] * len(episodes)
+        for e, m in zip(row_episode, table.column("loss_mask").to_pylist(), strict=True):
+            trained[e] += sum(m)
+        weights = torch.tensor(trained)
+    per_episode = ADVANTAGE_ESTIMATORS[estimator](
         rewards, group_index, normalize_std=normalize_std, lengths=weights
-    )
+    ).tolist()
+    adv = [per_episode[e] for e in row_episode]
     lengths = [len(r) for r in table.column("response_ids").to_pylist()]
-    per_token = [[a] * n for a, n in zip(adv.tolist(), lengths, strict=True)]
+    per_token = [[a] * n for a, n in zip(adv, lengths, strict=True)]
     if distill_coef > 0:
         teacher = table.column("teacher_logprobs").to_pylist()
         if any(t is None for t in teacher):

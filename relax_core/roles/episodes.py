@@ -14,11 +14,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from relax_core.agents.agent import load_agent
+from relax_core.agents.server import CallLimits
 from relax_core.algorithms.dapo import overlong_penalty
 from relax_core.config import RunConfig
 from relax_core.config.checks import TINY_POSITIONS
 from relax_core.data.prompts import PromptItem, PromptSource
 from relax_core.envs import EnvFactory, resolve_env
+from relax_core.roles.agents import AgentRunner
 from relax_core.roles.rollout import group_columns, rollout_metrics
 from relax_core.rollout.engine import RolloutEngine, SamplingParams
 from relax_core.rollout.multiturn import Episode, EpisodeLimits, episode_metrics, run_episodes
@@ -26,8 +29,15 @@ from relax_core.rollout.observations import ObservationRenderer
 
 
 def check_env(cfg: RunConfig) -> list[str]:
-    """Preflight problems of `cfg.env`: an env that cannot be built, or (a tiny policy, whose
-    char tokenizer takes one token per character) prompts too long for an episode's budget."""
+    """Preflight problems of `cfg.env`: an env or agent that cannot be loaded, or (a tiny
+    policy, whose char tokenizer takes one token per character) prompts too long for an
+    episode's budget."""
+    if cfg.env.agent:
+        try:
+            load_agent(cfg.env.agent)
+        except (ValueError, TypeError) as exc:
+            return [str(exc)]
+        return []
     try:
         resolve_env(cfg.env.name, **cfg.env.kwargs)
     except (ValueError, TypeError) as exc:
@@ -59,7 +69,7 @@ def check_env(cfg: RunConfig) -> list[str]:
 
 def response_budget(cfg: RunConfig) -> int:
     """Most response tokens of a row: Dr. GRPO's fixed length and the overlong budget."""
-    return cfg.env.max_episode_tokens if cfg.env.name else cfg.rollout.max_new_tokens
+    return cfg.env.max_episode_tokens if cfg.env.episodic else cfg.rollout.max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -158,15 +168,26 @@ class EnvRunner:
         return metrics
 
 
-def env_runner(cfg: RunConfig, model: Any, tokenizer: Any) -> EnvRunner | None:
-    """The run's EnvRunner; None for a single-turn run. `model`: the policy when it is in this
-    process (a multimodal policy shows env media to its encoders), else None."""
+def env_runner(cfg: RunConfig, model: Any, tokenizer: Any) -> EnvRunner | AgentRunner | None:
+    """The run's EnvRunner (or AgentRunner, env.agent set); None for a single-turn run.
+    `model`: the policy when it is in this process (a multimodal policy shows env media to its
+    encoders), else None."""
+    v = cfg.env
+    if v.agent:
+        return AgentRunner(
+            load_agent(v.agent),
+            tokenizer,
+            CallLimits(v.max_turns, v.max_episode_tokens, cfg.rollout.max_new_tokens),
+            v.agent_workers,
+            v.agent_timeout_s,
+            cfg.reward.overlong_buffer,
+            cfg.reward.overlong_penalty,
+        )
     if not cfg.env.name:
         return None
     from relax_core.roles.media import placeholders_for
 
     media = placeholders_for(cfg, model)
-    v = cfg.env
     return EnvRunner(
         resolve_env(v.name, **v.kwargs),
         EpisodeLimits(v.max_turns, v.max_episode_tokens),

@@ -20,6 +20,15 @@ from relax_core.rollout.engine import RolloutEngine, SamplingParams
 log = logging.getLogger(__name__)
 
 
+SEGMENT_SEP = "/seg"
+"""An agent episode's k-th segment (k >= 1) is the row `{uid}/seg{k}` (roles/agents.py)."""
+
+
+def episode_uid(uid: str) -> str:
+    """The uid of the episode a row belongs to: its own, or its first segment's."""
+    return uid.split(SEGMENT_SEP, 1)[0]
+
+
 def group_columns(item: PromptItem, sample: int) -> dict[str, Any]:
     """The columns that place sample `sample` of prompt `item` in its group (one group per
     prompt of an epoch): uid, group_id, prompt_index, epoch, prompt_ids."""

@@ -17,7 +17,7 @@ that episode as an env error.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,33 +81,53 @@ class ObservationRenderer:
     def _text(self, role: str, content: str) -> str:
         if self.template == "plain":
             return PLAIN_FORMAT.format(role=role, content=content)
-        message = {"role": role, "content": content}
-        problems = []
-        for anchor in _ANCHORS:
-            try:
-                before = self._apply(list(anchor), generation=False)
-                after = self._apply([*anchor, message], generation=True)
-            except Exception as err:  # noqa: BLE001 - a template may refuse a role; try the next
-                problems.append(f"{type(err).__name__}: {err}")
-                continue
-            if after.startswith(before) and after.count(_MEDIA_MARK) == content.count(_MEDIA_MARK):
-                return self._turn_separator(before) + after[len(before) :]
-            problems.append("the rendered conversation does not extend its prefix")
-        raise ValueError(
-            f"the chat template of {getattr(self.tokenizer, 'name_or_path', '')!r} cannot render "
-            f"a {role!r} message after a conversation ({'; '.join(problems)})"
-        )
+        text = continuation_text(self.tokenizer, [{"role": role, "content": content}])
+        if text.count(_MEDIA_MARK) != content.count(_MEDIA_MARK):
+            raise ValueError(
+                f"the chat template of {getattr(self.tokenizer, 'name_or_path', '')!r} does not "
+                f"render the content of a {role!r} message as it is"
+            )
+        return text
 
-    def _apply(self, messages: list[dict[str, str]], generation: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation
-        )
 
-    def _turn_separator(self, rendered: str) -> str:
-        eos = getattr(self.tokenizer, "eos_token", None)
-        if not eos or eos not in rendered:
-            return ""
-        return rendered[rendered.rfind(eos) + len(eos) :]
+def continuation_text(
+    tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: list | None = None
+) -> str:
+    """The chat-template text that `messages` add after a conversation whose last turn ended on
+    the tokenizer's end-of-turn token, ending with the generation prompt of the next assistant
+    turn: the difference between an anchor conversation rendered with and without them,
+    preceded by what the template writes after an end-of-turn token (e.g. Qwen's "\\n" after
+    "<|im_end|>"). Raises ValueError when the template renders no such difference."""
+    problems = []
+    for anchor in _ANCHORS:
+        try:
+            before = _apply(tokenizer, list(anchor), False, tools)
+            after = _apply(tokenizer, [*anchor, *messages], True, tools)
+        except Exception as err:  # noqa: BLE001 - a template may refuse a role; try the next
+            problems.append(f"{type(err).__name__}: {err}")
+            continue
+        if after.startswith(before):
+            return _turn_separator(tokenizer, before) + after[len(before) :]
+        problems.append("the rendered conversation does not extend its prefix")
+    roles = " + ".join(f"a {m.get('role')!r} message" for m in messages)
+    raise ValueError(
+        f"the chat template of {getattr(tokenizer, 'name_or_path', '')!r} cannot render "
+        f"{roles} after a conversation ({'; '.join(problems)})"
+    )
+
+
+def _apply(tokenizer: Any, messages: list, generation: bool, tools: list | None) -> str:
+    extra = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation, **extra
+    )
+
+
+def _turn_separator(tokenizer: Any, rendered: str) -> str:
+    eos = getattr(tokenizer, "eos_token", None)
+    if not eos or eos not in rendered:
+        return ""
+    return rendered[rendered.rfind(eos) + len(eos) :]
 
 
 def _check_message(message: Any) -> tuple[str, str, list[dict[str, Any]]]:

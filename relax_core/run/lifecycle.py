@@ -49,7 +49,14 @@ def preflight(cfg: RunConfig) -> None:
     except (ValueError, TypeError) as exc:
         text = str(exc)
         problems.append(text if text.startswith("reward.") else f"reward.name: {text}")
-    if cfg.env.name:
+    if cfg.model.chat_template:
+        from relax_core.run.prepare import read_chat_template
+
+        try:
+            read_chat_template(cfg.model.chat_template)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if cfg.env.episodic:
         from relax_core.roles.episodes import check_env
 
         problems += check_env(cfg)

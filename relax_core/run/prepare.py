@@ -99,6 +99,10 @@ class PolicySpec:
             model["encoders_version"] = ENCODERS_VERSION
         if not self.model.num_experts:  # the MoE fields shape nothing of a dense policy
             model = {k: v for k, v in model.items() if k not in MOE_FIELDS}
+        if self.model.chat_template:  # keyed by content: an edited file is a new policy
+            model["chat_template"] = file_digest(self.model.chat_template)
+        else:  # absent when unset, so policies without one keep their keys
+            model.pop("chat_template")
         parts: dict[str, object] = {
             "model": model,
             "warm_start": dataclasses.asdict(self.warm_start),
@@ -130,6 +134,8 @@ def prepare_policy(
     # Downloads and conversions (GGUF, registry) stay on this task's disk.
     local_cache = cache_dir if is_local(cache_dir) else scratch_root(scratch_dir)
     model, tokenizer = _base_model(spec, local_cache)
+    if spec.model.chat_template:
+        tokenizer.chat_template = read_chat_template(spec.model.chat_template)
     info: dict[str, object] = {"key": spec.key()}
     if spec.warm_start.steps > 0:
         info["warm_start_loss"] = _run_warm_start(spec, model, tokenizer)
@@ -145,6 +151,22 @@ def prepare_policy(
 def local_policy(policy_dir: str, options: dict | None = None, scratch_dir: str = "") -> str:
     """A local directory holding the prepared policy at `policy_dir` (copied once if remote)."""
     return local_copy(policy_dir, MARKER, options, scratch_dir)
+
+
+def read_chat_template(path: str) -> str:
+    """The Jinja text of a model.chat_template file; ValueError naming it when unreadable."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ValueError(f"model.chat_template: cannot read {path!r}: {exc}") from exc
+    if "{%" not in text and "{{" not in text:
+        raise ValueError(f"model.chat_template: {path!r} holds no Jinja template")
+    return text
+
+
+def file_digest(path: str) -> str:
+    return hashlib.sha256(read_chat_template(path).encode()).hexdigest()[:16]
 
 
 def _base_model(spec: PolicySpec, cache_dir: str):

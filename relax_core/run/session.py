@@ -87,7 +87,7 @@ class RunSession:
         self.train_prompts = prompt_source(cfg, "train", self.model, self.tokenizer, self.queue)
         self.eval_prompts = prompt_source(cfg, "eval", self.model, self.tokenizer, self.queue)
         self.env = env_runner(cfg, self.model, self.tokenizer)
-        """Plays multi-turn episodes (env.name set); None for a single-turn run."""
+        """Plays multi-turn episodes (env.name or env.agent set); None for a single-turn run."""
 
     # ------------------------------------------------------------------ checkpoints
     @classmethod

@@ -1,0 +1,107 @@
+"""An agent written against the `openai` client trains through the OpenAI-compatible endpoint in a
+colocate and an async run (every role an OS process): every call the agent made is in the queue's
+rows token for token (its prompt ids as context, its sampled ids under loss_mask 1), the trainer
+scores those tokens as the engine did, and MLflow has the agent metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import mlflow
+import pytest
+
+from relax_core.models.tiny import build_char_tokenizer
+from relax_core.queue import TransferQueue
+from relax_core.train.checkpoint import find_resume_checkpoint, read_state
+
+pytestmark = pytest.mark.integration
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+AGENT_RUN = {
+    "warm_start": {"steps": 0},
+    "model": {"chat_template": os.path.join(REPO, "configs/templates/tiny-chat.jinja")},
+    "data": {
+        "train_path": "datasets/calculator/train.jsonl",
+        "eval_path": "datasets/calculator/eval.jsonl",
+        "eval_size": 4,
+    },
+    "env": {
+        "agent": "tests.integration.openai_agents:calculator",
+        "max_turns": 3,
+        "max_episode_tokens": 60,
+    },
+    "rollout": {"n_samples_per_prompt": 2, "groups_per_step": 2, "max_new_tokens": 16},
+    "train": {"total_steps": 2, "checkpoint_every": 2, "steps_per_node": 2},
+}
+
+
+def _history(workdir, run_id: str, key: str) -> list[tuple[int, float]]:
+    mlflow.set_tracking_uri(f"sqlite:///{workdir}/mlflow.db")
+    client = mlflow.tracking.MlflowClient()
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+@pytest.mark.parametrize("mode", ["colocate", "async"])
+def test_an_openai_client_agent_trains_on_exactly_the_tokens_the_engine_sampled(
+    small_config, workdir, mode
+):
+    extra = {"services": {"trainer_threads": 1, "poll_s": 0.002}} if mode == "async" else {}
+    cfg = small_config("g.yaml", run_name="g", mode=mode, **AGENT_RUN, **extra)
+    log = workdir / "calls.jsonl"
+    env = {**os.environ, "AGENT_CALL_LOG": str(log), "PYTHONPATH": REPO}
+    proc = subprocess.run(
+        [sys.executable, "-m", "relax_core.entrypoints.run", "--cfg", cfg],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    state = read_state(find_resume_checkpoint(".relax/checkpoints", "g"))
+    assert state["policy_version"] == 2
+    queue = TransferQueue(".relax/queue", state["run_id"])
+    rows = [r for seq in queue.committed("rollout") for r in queue.read("rollout", seq).to_pylist()]
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    tok = build_char_tokenizer()
+    # Calls of trained steps are in the rows; eval episodes (greedy, never queued) are not.
+    trained = [c for c in calls if any(_holds(r, c) for r in rows)]
+    assert len(trained) == sum(r["turns"] for r in rows) and len(trained) >= 4
+    for call in calls:
+        assert tok.decode(call["sampled_ids"], skip_special_tokens=True) == call["text"]
+    for row in rows:
+        runs = _sampled_runs(row)
+        assert len(runs) == row["turns"]
+        for context, sampled in runs:
+            assert any(c["prompt_ids"] == context and c["sampled_ids"] == sampled for c in calls)
+    assert any(r["turns"] >= 2 for r in rows), "no episode called the tool and went on"
+    run_id = state["tracking_run_id"]
+    # The trainer's log-probs of the rows' sampled tokens agree with the engine's: each token
+    # was scored in the context the engine generated it in.
+    gaps = _history(workdir, run_id, "mismatch/kl_s0")
+    assert gaps and all(abs(v) < 1e-3 for _, v in gaps), gaps
+    assert [s for s, _ in _history(workdir, run_id, "rollout/mean_calls")] == [1, 2]
+    assert _history(workdir, run_id, "eval/success_rate")[0][0] == 0
+    assert all(v == 0 for _, v in _history(workdir, run_id, "rollout/agent_errors"))
+
+
+def _holds(row: dict, call: dict) -> bool:
+    return any(c == call["prompt_ids"] and s == call["sampled_ids"] for c, s in _sampled_runs(row))
+
+
+def _sampled_runs(row: dict) -> list[tuple[list[int], list[int]]]:
+    """(context, sampled ids) of each run of loss_mask-1 tokens of a row."""
+    seq, mask, out, at = row["prompt_ids"] + row["response_ids"], row["loss_mask"], [], 0
+    n = len(row["prompt_ids"])
+    while at < len(mask):
+        if not mask[at]:
+            at += 1
+            continue
+        end = at
+        while end < len(mask) and mask[end]:
+            end += 1
+        out.append((seq[: n + at], row["response_ids"][at:end]))
+        at = end
+    return out
