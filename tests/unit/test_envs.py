@@ -284,7 +284,8 @@ def test_resolve_env_knows_the_shipped_envs_and_user_specs(user_envs):
     assert resolve_env("my_envs:Good")().size == 3
     with pytest.raises(ValueError, match="shipped envs: calculator, guess_number"):
         resolve_env("maze")
-    assert set(ENVS) == set(DEMONSTRATIONS) == {"calculator", "guess_number"}
+    assert set(ENVS) == {"calculator", "guess_number", "openenv"}
+    assert set(DEMONSTRATIONS) == {"calculator", "guess_number"}
 
 
 # ---------------------------------------------------------------------------- step results
