@@ -155,7 +155,7 @@ class EnvConfig:
     """Agentic multi-turn episodes (relax_core/envs): empty name = single-turn prompts."""
 
     name: str = ""
-    """'' = single-turn; a shipped env ('calculator', 'guess_number') or a user env
+    """'' = single-turn; a shipped env ('calculator', 'guess_number', 'openenv') or a user env
     'module:Class'. The env's rewards replace reward.name's."""
     max_turns: int = 4
     """Model turns per episode (an episode also ends on the env's done)."""

@@ -91,6 +91,9 @@ class AgentRunner:
     @property
     def endpoint(self) -> AgentEndpoint:
         if self._endpoint is None:
+            # An OpenAI client logs every request at INFO: thousands of lines a step in the run log.
+            for name in ("httpx", "httpx2"):
+                logging.getLogger(name).setLevel(logging.WARNING)
             self._endpoint = AgentEndpoint(self.tokenizer)
             log.info("agent endpoint serving on %s", self._endpoint.url)
         return self._endpoint

@@ -150,3 +150,45 @@ def test_an_env_runner_exists_only_for_agentic_runs():
     assert runner.limits.max_turns == 3 and runner.limits.max_episode_tokens == 64
     assert isinstance(runner.render, ObservationRenderer)
     assert type(runner.env_factory()) is type(resolve_env("calculator")())
+
+
+AGENT = str(REPO / "configs" / "cpu-agent.yaml")
+
+
+@pytest.mark.parametrize(
+    ("sections", "expected"),
+    [
+        ({"env": {"name": "calculator"}}, "env.agent: set together with env.name"),
+        ({"env": {"agent_workers": 0}}, "env.agent_workers: must be > 0"),
+        ({"env": {"agent_timeout_s": 0}}, "env.agent_timeout_s: must be > 0"),
+        ({"warm_start": {"steps": 5}}, "an agent run has no demonstrations"),
+        ({"env": {"kwargs": {"a": "1"}}}, "an agent takes no env kwargs"),
+        ({"env": {"max_turns": 0}}, "env.max_turns: must be > 0, got 0"),
+    ],
+)
+def test_agent_settings_are_validated_with_the_field_named(sections, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        replace(load_config(AGENT), **sections)
+
+
+@pytest.mark.parametrize(
+    ("agent", "expected"),
+    [
+        ("examples.agents.nope:solve", "cannot be found"),
+        ("examples.agents.calculator_agent:missing", "has no 'missing'"),
+        ("examples.agents.calculator_agent:MAX_TURNS", "not a function"),
+        ("examples.agents.calculator_agent:calculate", "must accept (sample, *, base_url"),
+    ],
+)
+def test_preflight_names_an_agent_that_cannot_be_called(agent, expected):
+    cfg = replace(load_config(AGENT), env={"agent": agent})
+    problems = check_env(cfg)
+    assert len(problems) == 1 and expected in problems[0], problems
+
+
+def test_an_agent_run_gets_an_agent_runner_and_the_episode_budget():
+    cfg = load_config(AGENT)
+    tok = build_char_tokenizer()
+    runner = env_runner(cfg, None, tok)
+    assert type(runner).__name__ == "AgentRunner" and runner.limits.max_calls == 4
+    assert response_budget(cfg) == 96 and check_env(cfg) == []
