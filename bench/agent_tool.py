@@ -7,12 +7,14 @@ directory with its own MLflow store. This process pins itself to `--cpus` before
 anything, so every run has the same CPU set and the config's torch thread count. Each seed's
 warm-started policy is prepared (and cached) before its run starts, and timed apart from it.
 
-Read back from each run's MLflow store: held-out greedy success and tool-call validity at every
-eval (`eval/success_rate`, `eval/tool_call_validity`), rollout success and validity per step
-(`rollout/...`), seconds per step (`perf/step_s`, the first step left out as warm-up) and the
-run's wall time.
+Read back from each run's MLflow store: held-out greedy success, tool-call validity and tool
+calls per episode at every eval (`eval/success_rate`, `eval/tool_call_validity`,
+`eval/tool_calls`), the same of the sampled rollouts per step (`rollout/...`, averaged over bands
+of `--band` steps), seconds per step (`perf/step_s`, the first step left out as warm-up) and the
+run's wall time. Tool-call validity is valid calls / calls, so it is absent ("-") where no
+episode called the tool.
 
-    python bench/agent_tool.py [--seeds 0,1,2] [--cpus 0,1] [--band 5] [--keep DIR]
+    python bench/agent_tool.py [--seeds 0,1,2] [--cpus 0,1] [--band 3] [--keep DIR]
 
 Last line: `headline: smollm2_tool_success_gain = X`, the mean over seeds of final minus
 initial held-out success.
@@ -47,6 +49,7 @@ EVAL = ("eval/success_rate", "eval/tool_call_validity", "eval/tool_calls")
 PER_STEP = (
     "rollout/success_rate",
     "rollout/tool_call_validity",
+    "rollout/tool_calls",
     "perf/step_s",
     "perf/generate_s",
     "perf/train_s",
@@ -128,7 +131,8 @@ def _report_seed(res: dict, band: int) -> None:
     bands = [(lo, min(lo + band - 1, res["steps"])) for lo in range(1, res["steps"] + 1, band)]
     print("| rollout (sampled) | " + " | ".join(f"{lo}-{hi}" for lo, hi in bands) + " |")
     print("| --- |" + " --- |" * len(bands))
-    for key, name in ((PER_STEP[0], "success"), (PER_STEP[1], "tool-call validity")):
+    rollout = zip(PER_STEP[:3], ("success", "tool-call validity", "calls"), strict=True)
+    for key, name in rollout:
         row = [_fmt(_band_mean(m[key], lo, hi)) for lo, hi in bands]
         print(f"| {name} | " + " | ".join(row) + " |")
     steps = [v for s, v in sorted(m["perf/step_s"].items()) if s > 1]
