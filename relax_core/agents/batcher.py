@@ -96,13 +96,7 @@ class EngineBatcher:
                     break
                 batch.append(item)
             self._serve(batch)
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None:
-                item.future.set_exception(BatcherClosed("the rollout has ended"))
+        # close() fails the calls still waiting, once this thread has stopped taking them.
 
     def _serve(self, batch: list[_Pending]) -> None:
         params = dataclasses.replace(self.params, max_new_tokens=max(p.cap for p in batch))

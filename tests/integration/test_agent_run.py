@@ -16,6 +16,7 @@ import pytest
 from relax_core.models.tiny import build_char_tokenizer
 from relax_core.queue import TransferQueue
 from relax_core.train.checkpoint import find_resume_checkpoint, read_state
+from tests.agent_rows import sampled_runs
 
 pytestmark = pytest.mark.integration
 
@@ -72,9 +73,9 @@ def test_an_openai_client_agent_trains_on_exactly_the_tokens_the_engine_sampled(
     for call in calls:
         assert tok.decode(call["sampled_ids"], skip_special_tokens=True) == call["text"]
     for row in rows:
-        runs = _sampled_runs(row)
+        runs = sampled_runs(row)
         assert len(runs) == row["turns"]
-        for context, sampled in runs:
+        for context, sampled, _ in runs:
             assert any(c["prompt_ids"] == context and c["sampled_ids"] == sampled for c in calls)
     assert any(r["turns"] >= 2 for r in rows), "no episode called the tool and went on"
     run_id = state["tracking_run_id"]
@@ -88,20 +89,6 @@ def test_an_openai_client_agent_trains_on_exactly_the_tokens_the_engine_sampled(
 
 
 def _holds(row: dict, call: dict) -> bool:
-    return any(c == call["prompt_ids"] and s == call["sampled_ids"] for c, s in _sampled_runs(row))
-
-
-def _sampled_runs(row: dict) -> list[tuple[list[int], list[int]]]:
-    """(context, sampled ids) of each run of loss_mask-1 tokens of a row."""
-    seq, mask, out, at = row["prompt_ids"] + row["response_ids"], row["loss_mask"], [], 0
-    n = len(row["prompt_ids"])
-    while at < len(mask):
-        if not mask[at]:
-            at += 1
-            continue
-        end = at
-        while end < len(mask) and mask[end]:
-            end += 1
-        out.append((seq[: n + at], row["response_ids"][at:end]))
-        at = end
-    return out
+    return any(
+        c == call["prompt_ids"] and s == call["sampled_ids"] for c, s, _ in sampled_runs(row)
+    )

@@ -19,6 +19,7 @@ from relax_core.queue import rows_to_table
 from relax_core.roles.advantages import add_advantages
 from relax_core.roles.agents import AgentRunner
 from relax_core.rollout.engine import Completion, SamplingParams
+from tests.agent_rows import sampled_runs
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -113,21 +114,10 @@ def assert_rows_hold_engine_tokens(rows, engine) -> None:
     their log-probs, after exactly that call's prompt; and every call is in some row."""
     calls = list(engine.calls)
     for row in rows:
-        seq, mask = row["prompt_ids"] + row["response_ids"], row["loss_mask"]
-        at = 0
-        while at < len(mask):
-            if not mask[at]:
-                at += 1
-                continue
-            end = at
-            while end < len(mask) and mask[end]:
-                end += 1
-            context = seq[: len(row["prompt_ids"]) + at]
-            sampled = row["response_ids"][at:end]
+        for context, sampled, span in sampled_runs(row):
             call = next(c for c in calls if c[0] == context and c[1] == sampled)
-            assert row["rollout_logprobs"][at:end] == pytest.approx(call[2])
+            assert row["rollout_logprobs"][span] == pytest.approx(call[2])
             calls.remove(call)
-            at = end
     assert calls == [], f"{len(calls)} engine calls are in no row"
 
 
