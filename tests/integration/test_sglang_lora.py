@@ -300,7 +300,7 @@ LORA_RUN = {
 }
 
 
-def _sampled_with_the_versions_they_record(run_name: str) -> None:
+def _sampled_with_the_versions_they_record(run_name: str, *, on_policy: bool) -> None:
     """Every row's log-probs are those of the checkpoint of the version it records (the
     adapter that version loaded), and not of the version before (a stale adapter)."""
     from relax_core.models.policy import load_policy
@@ -330,7 +330,13 @@ def _sampled_with_the_versions_they_record(run_name: str) -> None:
             if version > 0:
                 before = sampled_logprobs(policy(version - 1), prompt, response)
                 stale.append((before - reported).abs().max().item())
-    assert {0, 1, 2} <= versions, versions
+    if on_policy:  # colocate: step s samples with version s-1, every one of them
+        assert versions == {0, 1, 2}, versions
+    else:
+        # Which versions sample is the scheduler's business (an async rollout that loads v2
+        # and v3 in quick succession may sample nothing with v2); the untrained base and a
+        # trained adapter both must have sampled, and every version that did is checked above.
+        assert 0 in versions and len(versions) >= 2, versions
     assert max(g.max().item() for g in gaps) < 2e-5
     assert min(stale) > 1e-2  # each version moved every row: a stale adapter would show
 
@@ -355,7 +361,7 @@ def test_an_async_lora_run_samples_with_the_adapter_of_each_version(
         **LORA_RUN,
     )
     _run(cfg)
-    _sampled_with_the_versions_they_record("la")
+    _sampled_with_the_versions_they_record("la", on_policy=False)
     for argv in map(json.loads, launches.read_text().splitlines()):
         # The rollout worker's server and the evaluations': rank 4, the newest 3 versions
         # (max_staleness 1, + 2) in a batch.
@@ -378,7 +384,7 @@ def test_a_colocate_lora_run_samples_with_the_adapter_of_each_version(
         **LORA_RUN,
     )
     _run(cfg)
-    _sampled_with_the_versions_they_record("lc")
+    _sampled_with_the_versions_they_record("lc", on_policy=True)
     # Each version's adapter goes by name and the one before is unloaded; the base's weights
     # are never sent.
     kinds = _events(events)
