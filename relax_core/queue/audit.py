@@ -18,6 +18,7 @@ from collections import Counter
 from typing import Any
 
 from relax_core.queue import StageCursor, TransferQueue
+from relax_core.queue.coverage import record_step
 from relax_core.queue.pruning import pruned_ranges, summaries
 from relax_core.queue.retention import covered, totals
 
@@ -26,9 +27,11 @@ TRAINED = "control/trained"
 
 def record_trained(queue: TransferQueue, version: int, group_ids: list) -> None:
     """The groups step `version` trained (the trainer writes it), replaced if a restarted trainer
-    trains that step again: the records of the weights that survive, which the audit reads."""
+    trains that step again: the records of the weights that survive, which the audit reads. Also
+    appended to the step log (coverage.record_step), which nothing replaces."""
     body = json.dumps({"version": version, "groups": sorted(map(str, group_ids))})
     queue.store.write_replace(f"{TRAINED}/{version:020d}", body.encode())
+    record_step(queue, version, group_ids)  # the write-once history prompt coverage reads
 
 
 def trained_groups(queue: TransferQueue, final_version: int) -> Counter[str]:
