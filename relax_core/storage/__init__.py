@@ -5,13 +5,15 @@ them.
 On a cluster every task is a new pod with an empty disk, so a checkpoint or a prepared policy
 one task leaves for another lives here, never at a local path. locations.py joins and tells
 local from remote; dirs.py publishes a directory (files first, a commit marker last), lists and
-removes published directories, and copies one into local scratch once per content.
+removes published directories, and copies one into local scratch once per content; integrity.py
+checks a published directory against the size and sha256 of each file its marker lists.
 
 May import: config, queue.
 """
 
 from relax_core.storage.dirs import (
     is_committed,
+    is_disk_full,
     local_copy,
     publish_dir,
     read_json,
@@ -19,6 +21,7 @@ from relax_core.storage.dirs import (
     remove_file,
     write_json,
 )
+from relax_core.storage.integrity import verify_dir
 from relax_core.storage.locations import (
     is_local,
     join,
@@ -31,6 +34,7 @@ from relax_core.storage.locations import (
 
 __all__ = [
     "is_committed",
+    "is_disk_full",
     "is_local",
     "join",
     "local_dir_for",
@@ -42,6 +46,7 @@ __all__ = [
     "remove_dir",
     "remove_file",
     "scratch_root",
+    "verify_dir",
     "where",
     "write_json",
 ]

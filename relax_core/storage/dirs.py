@@ -1,10 +1,13 @@
 """Directories published whole under a run's storage root, and local copies of them.
 
 A published directory (a checkpoint, a prepared policy) is "whole or not at all":
-- on local disk it is built in a staging sibling and renamed into place (rename is atomic);
+- on local disk it is built in a staging sibling, its files fsynced, and renamed into place
+  (rename is atomic); a write that fails (a full disk) removes the staging directory;
 - on an object store, where there is no rename, its files are uploaded first and its commit
-  marker last. The marker is JSON the caller chooses (a checkpoint's state.json) plus `files`,
-  each file's size and sha256. A directory without its marker is not there for readers.
+  marker last.
+The marker is JSON the caller chooses (a checkpoint's state.json) plus `files`, each file's size
+and sha256. A directory without its marker is not there for readers; `verify_dir` says what is
+wrong with one whose files no longer match their marker (truncated, deleted, changed).
 
 `local_copy` gives a task a local directory to load from: a local place as it is, a remote one
 downloaded once into scratch under a key derived from its marker (so from the files' hashes),
@@ -15,6 +18,7 @@ the same copy share it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -24,9 +28,8 @@ from collections.abc import Callable
 from typing import Any
 
 from relax_core.queue.store import ObjectStore
+from relax_core.storage.integrity import file_problem, manifest
 from relax_core.storage.locations import is_local, join, scratch_root, where
-
-_HASH_CHUNK = 8 << 20
 
 
 def _store(location: str, options: dict | None) -> ObjectStore:
@@ -79,7 +82,7 @@ def publish_dir(
     os.makedirs(staging)
     try:
         document = dict(build(staging))
-        files = _manifest(staging)
+        files = manifest(staging)
         files.pop(marker, None)
         document["files"] = files
         store = _store(location, options)
@@ -99,7 +102,11 @@ def _publish_local(final: str, marker: str, build: Callable[[str], dict[str, Any
     staging = os.path.join(parent_dir, f".tmp-{uuid.uuid4().hex}")
     os.makedirs(staging)
     try:
-        document = build(staging)
+        document = dict(build(staging))
+        # fsynced before the marker: after a power loss a marker never names a file whose
+        # bytes did not reach the disk (zero-length files behind a complete-looking marker).
+        document["files"] = manifest(staging, sync=True)
+        document["files"].pop(marker, None)
         with open(os.path.join(staging, marker), "w") as f:
             json.dump(document, f, indent=1, sort_keys=True)
             f.flush()
@@ -107,25 +114,34 @@ def _publish_local(final: str, marker: str, build: Callable[[str], dict[str, Any
         if os.path.exists(final):  # the same directory published again (a resumed run)
             shutil.rmtree(final)
         os.rename(staging, final)
+        _fsync_dir(parent_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return final
 
 
-def _manifest(directory: str) -> dict[str, dict[str, Any]]:
-    """relative path -> {size, sha256} of every file under `directory`."""
-    out = {}
-    for base, _, names in os.walk(directory):
-        for name in names:
-            path = os.path.join(base, name)
-            digest = hashlib.sha256()
-            with open(path, "rb") as f:
-                while chunk := f.read(_HASH_CHUNK):
-                    digest.update(chunk)
-            rel = os.path.relpath(path, directory).replace(os.sep, "/")
-            out[rel] = {"size": os.path.getsize(path), "sha256": digest.hexdigest()}
-    return out
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether `err` (or what caused it) is a full disk or an exhausted quota."""
+    seen: set[int] = set()
+    cur: BaseException | None = err
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        # Native writers (safetensors' Rust) raise their own error type with the OS's text.
+        if "No space left on device" in str(cur) or "Disk quota exceeded" in str(cur):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def remove_dir(location: str, marker: str, options: dict | None = None) -> None:
@@ -177,12 +193,9 @@ def local_copy(
             local = os.path.join(tmp, name)
             os.makedirs(os.path.dirname(local), exist_ok=True)
             store.get_file(name, local)
-            size = files[name].get("size")
-            if size is not None and os.path.getsize(local) != size:
-                raise OSError(
-                    f"{location}/{name}: downloaded {os.path.getsize(local)} bytes, the marker "
-                    f"says {size}; the directory changed while it was read"
-                )
+            problem = file_problem(local, files[name])
+            if problem:
+                raise OSError(f"{location}/{name}: {problem}")
         with open(os.path.join(tmp, marker), "wb") as f:
             f.write(raw)
         try:
