@@ -366,6 +366,9 @@ class CheckpointConfig:
     """Resume the newest checkpoint of the newest run with this run_name."""
     resume_from: str = ""
     """Resume this checkpoint directory exactly (overrides resume)."""
+    fallback_to_previous: bool = False
+    """When the newest checkpoint is corrupt (a file missing, truncated or changed), resume the
+    newest one that verifies, with a warning naming the bad file; false = refuse to resume."""
     policy_cache_dir: str = ""
     """Where prepared starting policies (warm-started or converted from GGUF) are cached; empty =
     {storage.root}/policies."""

@@ -83,9 +83,11 @@ def preflight(cfg: RunConfig) -> None:
     from relax_core.ops.notify import check_notify
 
     problems += check_notify(cfg.services.notify)
-    resume_from = cfg.checkpoint.resume_from
-    if resume_from and not is_committed(resume_from, ckpt.STATE_FILE, cfg.storage.options()):
-        problems.append(f"checkpoint.resume_from: {resume_from} is not a checkpoint")
+    resume_from, options = cfg.checkpoint.resume_from, cfg.storage.options()
+    problem = resume_from and ckpt.verify_checkpoint(resume_from, options)
+    if problem:
+        previous = ckpt.previous_complete(resume_from, options)
+        problems.append(f"checkpoint.resume_from: {ckpt.refusal(problem, previous)}")
     if os.environ.get(CLUSTER_ENV):
         problems += cluster_problems(cfg)
     if not problems:
@@ -135,7 +137,9 @@ def start_run(cfg: RunConfig, policy_dir: str) -> str:
     if cfg.checkpoint.resume_from:
         return where(cfg.checkpoint.resume_from)
     if cfg.checkpoint.resume:
-        found = ckpt.find_resume_checkpoint(cfg.checkpoint.dir, cfg.run_name, options)
+        found = ckpt.find_resume_checkpoint(
+            cfg.checkpoint.dir, cfg.run_name, options, cfg.checkpoint.fallback_to_previous
+        )
         if found:
             log.info("resuming %s", found)
             return found
@@ -294,10 +298,12 @@ def read_version(checkpoint: str, options: dict | None = None) -> int:
     return int(ckpt.read_state(checkpoint, options)["policy_version"])
 
 
-def newest_checkpoint(checkpoint: str, options: dict | None = None) -> str:
-    """The newest checkpoint of the run `checkpoint` belongs to (what a retried node resumes)."""
-    found = ckpt.list_checkpoints(parent(checkpoint), options)
-    return found[-1] if found else where(checkpoint)
+def newest_checkpoint(checkpoint: str, options: dict | None = None, fallback: bool = False) -> str:
+    """The newest complete checkpoint of the run `checkpoint` belongs to (what a retried node
+    resumes); a corrupt newest one is refused, or skipped if `fallback`
+    (checkpoint.fallback_to_previous)."""
+    found = ckpt.resume_checkpoint(parent(checkpoint), options, fallback)
+    return found or where(checkpoint)
 
 
 def run(cfg: RunConfig) -> dict[str, Any]:
