@@ -1,17 +1,29 @@
-"""Chaos: an async CPU run while a random role is SIGKILLed every ~30 s, against the same run
-left alone.
+"""Chaos: async CPU runs with every role, the trainer first, SIGKILLed at random, against calm runs.
 
-Both runs are `configs/cpu-async.yaml` for `--steps` steps (checkpoints every 20), from the same
-cached warm-started policy, one after the other on this machine, each a whole local run in a
-child process (`python -m` of `bench.common.LAUNCHER`: the local supervisor restarts what dies).
-During the chaos run a seeded random role (trainer, rollout or advantages) is killed every
-`--every` seconds (+-30%). After it, the queue's exactly-once audit (`audit_run`) counts groups
-lost (committed by rollout, neither trained nor still queued) and groups trained twice.
+The runs are audited from the queue and the dataset, not from the trainer's own records.
 
-    python bench/chaos.py [--steps 100] [--every 30] [--seed 0]
+Per seed of `--seeds`, two runs of `configs/cpu-async.yaml` with that seed for `--steps` steps
+(checkpoints every 20), one after the other on this machine, each a whole local run in a child
+process (`python -m` of `bench.common.LAUNCHER`: the local supervisor restarts what dies), from
+the seed's cached warm-started policy: calm, then chaos. Once every victim role is up in the
+chaos run, one is killed every `--every` seconds (+-30%): the trainer first, then a role drawn
+from trainer, rollout and advantages with a generator seeded by the seed. No role is killed more
+than `services.max_role_restarts` times (3 by default, counted within `restart_window_s`, 30 min,
+longer than a run), so every restart is one in place and the run never spends its budget; the
+CPU default's 100 steps last about a minute calm, and a kill every ~15 s gives each chaos run 4-6
+kills (each restart costs ~5-15 s), the trainer's included.
 
-Prints both runs' final held-out accuracy and training wall time, the kills, the supervisor's
-restarts, the audit, and last `headline: lost_or_duplicated = N` (rows: groups x samples).
+Two audits of every run: the groups (`audit_run`: every group rollout committed trained once or
+still queued) and the prompts (`read_prompt_coverage`: every prompt of the dataset stream up to
+the run's end trained once per epoch or still queued, from the tickets, the dataset's order, the
+rows and the trainer's write-once step log; neither `control/trained` nor the checkpoint).
+
+    python bench/chaos.py [--seeds 0,1,2] [--steps 100] [--every 15]
+
+Prints a table per run (final held-out accuracy, training wall time, kills, restarts, both
+audits), chaos minus calm accuracy per seed, and last `headline: lost_or_duplicated = N` (rows:
+groups x samples, over every chaos run) and `headline: prompt_coverage_errors = N` (prompts
+missing, trained twice or out of stream, over every chaos run).
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import argparse
 import json
 import random
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
@@ -38,16 +51,16 @@ from bench.common import start_local_run, work_sections, write_config
 VICTIMS = ("trainer", "rollout", "advantages")
 
 
-def _config(work: str, name: str, steps: int) -> str:
+def _config(work: str, name: str, steps: int, seed: int):
     from relax_core.config import load_config, replace
 
-    cfg = replace(
+    return replace(
         load_config(os.path.join(REPO, "configs", "cpu-async.yaml")),
         run_name=name,
+        seed=seed,
         train={"total_steps": steps, "checkpoint_every": 20, "eval_every": 25},
         **work_sections(work),
     )
-    return write_config(cfg, os.path.join(work, f"{name}.json"))
 
 
 def _live_roles(work: str) -> dict[str, int]:
@@ -63,15 +76,27 @@ def _live_roles(work: str) -> dict[str, int]:
     return found
 
 
-def _chaos(proc: subprocess.Popen, work: str, every: float, rng: random.Random) -> list[dict]:
-    kills = []
-    next_at = time.monotonic() + every * rng.uniform(0.7, 1.3)
+def _chaos(
+    proc: subprocess.Popen, work: str, every: float, rng: random.Random, per_role: int
+) -> list[dict]:
+    """Kill a live victim every `every` s (+-30%) from the moment all of them are up: the
+    trainer first, then a seeded random one, none more than `per_role` times."""
+    kills: list[dict] = []
+    dead: set[int] = set()  # a killed pid whose heartbeat is still the newest (not reaped yet)
+    next_at = None
     while proc.poll() is None:
         time.sleep(0.2)
+        live = {r: pid for r, pid in _live_roles(work).items() if pid not in dead}
+        if next_at is None:
+            if all(r in live for r in VICTIMS):
+                next_at = time.monotonic() + every * rng.uniform(0.7, 1.3)
+            continue
         if time.monotonic() < next_at:
             continue
-        live = _live_roles(work)
-        candidates = [r for r in VICTIMS if r in live]
+        done = [k["role"] for k in kills]
+        candidates = [r for r in VICTIMS if r in live and done.count(r) < per_role]
+        if not kills:
+            candidates = [r for r in candidates if r == "trainer"]
         if not candidates:
             continue
         role = rng.choice(candidates)
@@ -79,6 +104,7 @@ def _chaos(proc: subprocess.Popen, work: str, every: float, rng: random.Random) 
             os.kill(live[role], signal.SIGKILL)
         except ProcessLookupError:
             continue
+        dead.add(live[role])
         kills.append({"role": role, "pid": live[role], "t": round(time.monotonic(), 1)})
         print(f"  killed {role} (pid {live[role]})", flush=True)
         next_at = time.monotonic() + every * rng.uniform(0.7, 1.3)
@@ -96,54 +122,97 @@ def _result(work: str, name: str) -> tuple[dict, str]:
     return summary, run_dir
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--every", type=float, default=30.0, help="seconds between kills")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-
+def _run(cfg, work: str, every: float | None, rng: random.Random) -> dict:
+    """One whole run (killed at random when `every` is set) and both audits of it."""
+    from relax_core.data import PromptSampler, load_prompts
     from relax_core.queue import TransferQueue
     from relax_core.queue.audit import audit_run
+    from relax_core.queue.coverage import coverage_errors, read_prompt_coverage
 
-    work = tempfile.mkdtemp(prefix="relax-chaos-")
-    rng = random.Random(args.seed)
-    runs = {}
-    for name, chaos in (("calm", False), ("chaos", True)):
-        print(f"{name}: {args.steps} steps", flush=True)
-        proc = start_local_run(_config(work, name, args.steps), os.path.join(work, f"{name}.log"))
-        kills = _chaos(proc, work, args.every, rng) if chaos else []
-        if proc.wait() != 0:
-            sys.exit(f"{name} run failed; see {os.path.join(work, name + '.log')}")
-        summary, run_dir = _result(work, name)
-        with open(os.path.join(run_dir, "recovery.json")) as f:
-            recovery = json.load(f)
-        queue = TransferQueue(os.path.join(work, "queue"), summary["run_id"])
-        runs[name] = {
-            "accuracy": summary["eval_accuracy_after"],
-            "wall_s": summary["wall_time_s"],
-            "kills": kills,
-            "recovery": recovery,
-            "audit": audit_run(queue, summary["state"]),
-        }
+    name = cfg.run_name
+    print(f"{name}: {cfg.train.total_steps} steps, seed {cfg.seed}", flush=True)
+    path = write_config(cfg, os.path.join(work, f"{name}.json"))
+    proc = start_local_run(path, os.path.join(work, f"{name}.log"))
+    per_role = cfg.services.max_role_restarts
+    kills = _chaos(proc, work, every, rng, per_role) if every else []
+    if proc.wait() != 0:
+        sys.exit(f"{name} run failed; see {os.path.join(work, name + '.log')}")
+    summary, run_dir = _result(work, name)
+    with open(os.path.join(run_dir, "recovery.json")) as f:
+        recovery = json.load(f)
+    queue = TransferQueue(os.path.join(work, "queue"), summary["run_id"])
+    sampler = PromptSampler(
+        len(load_prompts(os.path.join(REPO, cfg.data.train_path))),
+        seed=cfg.seed,
+        shuffle=cfg.data.shuffle,
+    )
+    audit = audit_run(queue, summary["state"])
+    coverage = read_prompt_coverage(queue, sampler.num_prompts, sampler.order)
+    samples = cfg.rollout.n_samples_per_prompt  # rows per group
+    return {
+        "accuracy": summary["eval_accuracy_after"],
+        "wall_s": summary["wall_time_s"],
+        "kills": kills,
+        "recovery": recovery,
+        "audit": audit,
+        "bad_rows": (audit["lost_groups"] + audit["duplicated_groups"]) * samples,
+        "coverage": coverage,
+        "coverage_errors": coverage_errors(coverage),
+    }
 
-    with open(os.path.join(work, "chaos.json")) as f:
-        samples = json.load(f)["rollout"]["n_samples_per_prompt"]  # rows per group
-    print("\n| run | final accuracy | wall (s) | kills | in-place restarts | whole-run restarts |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for name, r in runs.items():
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated run and kill seeds")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--every", type=float, default=15.0, help="seconds between kills")
+    args = parser.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+
+    root = tempfile.mkdtemp(prefix="relax-chaos-")
+    print(f"work directory: {root}", flush=True)
+    runs: dict[tuple[int, str], dict] = {}
+    for seed in seeds:
+        for kind in ("calm", "chaos"):
+            work = os.path.join(root, f"{kind}-s{seed}")  # one queue root per run
+            os.makedirs(work)
+            cfg = _config(work, f"{kind}-s{seed}", args.steps, seed)
+            every = args.every if kind == "chaos" else None
+            runs[seed, kind] = _run(cfg, work, every, random.Random(seed))
+            with open(os.path.join(root, "chaos.json"), "w") as f:
+                json.dump({f"{k}-s{s}": r for (s, k), r in runs.items()}, f, indent=1)
+
+    print(
+        "\n| seed | run | final accuracy | wall (s) | kills | in-place restarts | "
+        "whole-run restarts | lost or duplicated (rows) | prompt coverage errors |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for (seed, kind), r in runs.items():
         restarts = sum(r["recovery"]["role_restarts"].values())
         kills = ", ".join(k["role"] for k in r["kills"]) or "-"
         print(
-            f"| {name} | {r['accuracy']:.3f} | {r['wall_s']:.1f} | {kills} | {restarts} | "
-            f"{r['recovery']['global_restarts']} |"
+            f"| {seed} | {kind} | {r['accuracy']:.3f} | {r['wall_s']:.1f} | {kills} | "
+            f"{restarts} | {r['recovery']['global_restarts']} | {r['bad_rows']} | "
+            f"{r['coverage_errors']} |"
         )
-    calm, chaos = runs["calm"], runs["chaos"]
-    print(f"\naudit of the chaos run (groups): {json.dumps(chaos['audit'])}")
-    print(f"accuracy difference: {100 * (chaos['accuracy'] - calm['accuracy']):+.1f} points")
-    print(f"time lost to failures: {chaos['wall_s'] - calm['wall_s']:.1f} s")
-    bad = chaos["audit"]["lost_groups"] + chaos["audit"]["duplicated_groups"]
-    print(f"headline: lost_or_duplicated = {bad * samples}")
+    print()
+    for (seed, kind), r in runs.items():
+        print(f"seed {seed} {kind}: groups {json.dumps(r['audit'])}")
+        print(f"seed {seed} {kind}: prompts {json.dumps(r['coverage'])}")
+    diffs = [100 * (runs[s, "chaos"]["accuracy"] - runs[s, "calm"]["accuracy"]) for s in seeds]
+    lost = [runs[s, "chaos"]["wall_s"] - runs[s, "calm"]["wall_s"] for s in seeds]
+    print(
+        "\naccuracy difference (chaos - calm, points): "
+        + ", ".join(f"seed {s} {d:+.1f}" for s, d in zip(seeds, diffs, strict=True))
+        + f"; median {statistics.median(diffs):+.1f}, min {min(diffs):+.1f}, max {max(diffs):+.1f}"
+    )
+    print(
+        "time lost to failures (s): "
+        + ", ".join(f"seed {s} {t:+.1f}" for s, t in zip(seeds, lost, strict=True))
+    )
+    chaos = [runs[s, "chaos"] for s in seeds]
+    print(f"headline: lost_or_duplicated = {sum(r['bad_rows'] for r in chaos)}")
+    print(f"headline: prompt_coverage_errors = {sum(r['coverage_errors'] for r in chaos)}")
 
 
 if __name__ == "__main__":
