@@ -189,6 +189,9 @@ def validate(cfg: RunSections) -> list[str]:
             f"model.source: {m.source!r} is not a registry reference; use models:/<name>/<version>, "
             "models:/<name>/latest or models:/<name>@<alias>"
         )
+    positive(e, "tracking.request_timeout_s", cfg.tracking.request_timeout_s)
+    if not 0 <= cfg.tracking.request_retries <= 10:
+        e.append(f"tracking.request_retries: must be 0-10, got {cfg.tracking.request_retries}")
     name = cfg.tracking.registered_model
     if name and not MODEL_NAME.fullmatch(name):
         e.append(

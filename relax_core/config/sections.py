@@ -333,6 +333,12 @@ class TrackingConfig:
     registered_model: str = ""
     """MLflow registered-model name the final policy is registered under at the end of a run
     (a new version each run); empty = log no model."""
+    request_timeout_s: int = 5
+    """Seconds the run's metric logging waits on one request to the tracking server before it
+    counts the server as down (and keeps the metrics to send later)."""
+    request_retries: int = 1
+    """Immediate retries of a failed metric-logging request (0-10) before the server counts as
+    down."""
 
 
 @dataclass(frozen=True)

@@ -213,6 +213,7 @@ def finish_run(cfg: RunConfig, checkpoint: str) -> dict[str, Any]:
     local = ckpt.local_checkpoint(checkpoint, cfg.storage.options(), cfg.storage.scratch_dir)
     registered = register_final_policy(cfg, state, local, after, monitor.tracking_uri)
     monitor.finish("FINISHED")
+    unsent = monitor.unsent  # the tracking server was down: the spool file the metrics wait in
     summary = {
         "eval_accuracy_before": state.eval_before.get("eval/accuracy"),
         "eval_accuracy_after": after["eval/accuracy"],
@@ -220,9 +221,10 @@ def finish_run(cfg: RunConfig, checkpoint: str) -> dict[str, Any]:
         "wall_time_s": time.time() - state.started_at,
         "mlflow_run_id": state.tracking_run_id,
         "mlflow_run_url": f"{monitor.tracking_uri}  {monitor.run_url()}",
+        "mlflow_unsent": unsent,
         "checkpoint": where(checkpoint),
         "registered_model": registered,
-        "compare_url": compare_with_previous(monitor.tracking_uri, monitor),
+        "compare_url": None if unsent else compare_with_previous(monitor.tracking_uri, monitor),
     }
     print(format_summary(summary), file=sys.stderr, flush=True)
     summary["run_id"] = state.run_id

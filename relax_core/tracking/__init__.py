@@ -3,7 +3,7 @@
 `MLflowMonitor` lives in mlflow_monitor.py and is imported from there where it is used:
 importing mlflow takes seconds, which a role that never logs should not pay.
 
-May import: config, data, models, rollout.
+May import: config, data, models, queue, rollout, storage.
 """
 
 from __future__ import annotations

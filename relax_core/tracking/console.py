@@ -26,6 +26,7 @@ SUMMARY_KEYS = (
     "wall_time_s",
     "mlflow_run_id",
     "mlflow_run_url",
+    "mlflow_unsent",
     "checkpoint",
     "registered_model",
     "compare_url",
@@ -110,7 +111,9 @@ def format_summary(summary: Mapping[str, object]) -> str:
     """A short end-of-run report; keys are SUMMARY_KEYS, each optional, unknown keys refused.
 
     eval_accuracy_before/after: floats in [0, 1]; wall_time_s: seconds; steps: int;
-    mlflow_run_id / mlflow_run_url / checkpoint / registered_model / compare_url: strings. A line whose values are absent is left out.
+    mlflow_run_id / mlflow_run_url / checkpoint / registered_model / compare_url: strings;
+    mlflow_unsent: the spool file holding metrics the tracking server has not taken yet. A line
+    whose values are absent is left out.
     """
     unknown = sorted(set(summary) - set(SUMMARY_KEYS))
     if unknown:
@@ -120,6 +123,7 @@ def format_summary(summary: Mapping[str, object]) -> str:
         ("steps", _str_or_none(summary.get("steps"))),
         ("wall time", _duration_or_none(summary)),
         ("MLflow run", _mlflow_line(summary)),
+        ("unsent", _unsent_line(summary.get("mlflow_unsent"))),
         ("checkpoint", _str_or_none(summary.get("checkpoint"))),
         ("model", _str_or_none(summary.get("registered_model"))),
         ("compare", _str_or_none(summary.get("compare_url"))),
@@ -144,6 +148,15 @@ def _accuracy_line(summary: Mapping[str, object]) -> str | None:
 def _mlflow_line(summary: Mapping[str, object]) -> str | None:
     parts = [str(summary[k]) for k in ("mlflow_run_id", "mlflow_run_url") if summary.get(k)]
     return "  ".join(parts) or None
+
+
+def _unsent_line(location: object) -> str | None:
+    if not location:
+        return None
+    return (
+        f"metrics in {location}: the tracking server was down; they are sent when a run next "
+        "starts on this storage, or by `relax send-metrics`"
+    )
 
 
 def _str_or_none(value: object) -> str | None:

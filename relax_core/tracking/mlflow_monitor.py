@@ -4,6 +4,12 @@ It talks to MLflow through its own `MlflowClient`, never the fluent global API (
 so several monitors in one process (trainer + evaluator, or tests) do not share an "active run".
 Metrics are buffered and sent in `log_batch` calls, because one database round trip per metric
 per step is what makes a tracker slow.
+
+While the tracking server is down (outage.py) training goes on: the monitor keeps every metric in
+order, in memory and in its spool file in the run's storage (spool.py), tries again at each
+flush with short requests, and sends them once the server answers. A run that ends meanwhile
+leaves the spool file, with its terminal status, for the next monitor that starts on that
+storage (or `relax send-metrics`) to send.
 """
 
 from __future__ import annotations
@@ -12,19 +18,23 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from mlflow.entities import Metric, Param, RunTag
-from mlflow.exceptions import MlflowException
+from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 from relax_core.tracking.monitor import flatten_params
+from relax_core.tracking.outage import brief, is_outage, quick_requests
+from relax_core.tracking.run_setup import (
+    get_or_create_experiment,
+    reopen_run,
+    send_params_and_tags,
+)
+from relax_core.tracking.spool import MAX_METRICS_PER_BATCH, MetricSpool, Spooled
 
 _log = logging.getLogger(__name__)
 
-# MLflow's per-call limits (mlflow.utils.validation): a larger batch is refused as a whole.
-MAX_METRICS_PER_BATCH = 1000
-MAX_PARAMS_TAGS_PER_BATCH = 100
 _TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
 
 
@@ -40,26 +50,17 @@ def default_tracking_uri(cwd: str | None = None) -> str:
     return f"sqlite:///{db}"
 
 
-def sqlite_artifact_location(tracking_uri: str) -> str | None:
-    """`file://` URI of `mlartifacts/` next to a sqlite store's file; None for other stores.
-
-    Without this MLflow would put a sqlite store's artifacts under `./mlruns` of whatever the
-    current directory is when the experiment is created.
-    """
-    if not tracking_uri.startswith("sqlite:///"):
-        return None
-    db_path = tracking_uri.removeprefix("sqlite:///")
-    if db_path in ("", ":memory:"):
-        return None
-    return (Path(db_path).resolve().parent / "mlartifacts").as_uri()
-
-
 class MLflowMonitor:
     """Monitor backed by an MLflow tracking store (sqlite file, or a tracking server's http URI).
 
     `resume_run_id` re-opens an existing run (after a trainer restart) instead of creating one:
-    params it already has are not logged again, since MLflow refuses to change a param.
+    params it already has are not logged again, since MLflow refuses to change a param. If the
+    server is down then, the run trains on and is re-opened once the server answers; a new run
+    cannot be created without it.
     `flush_every` is how many distinct steps are buffered before metrics are sent.
+    `spool` keeps unsent metrics in the run's storage during an outage (without one they are
+    kept in memory only, and ending the run while the server is down is an error).
+    `request_timeout_s` and `request_retries` bound each of the monitor's requests.
     """
 
     def __init__(
@@ -69,6 +70,9 @@ class MLflowMonitor:
         run_name: str | None = None,
         resume_run_id: str | None = None,
         flush_every: int = 10,
+        spool: MetricSpool | None = None,
+        request_timeout_s: int = 5,
+        request_retries: int = 1,
     ) -> None:
         if not experiment or not experiment.strip():
             raise ValueError("MLflowMonitor: experiment must be a non-empty name")
@@ -79,12 +83,19 @@ class MLflowMonitor:
         self.run_name = run_name
         self.resume_run_id = resume_run_id
         self.flush_every = flush_every
+        self.spool = spool
+        self.request_timeout_s = request_timeout_s
+        self.request_retries = request_retries
         self.nonfinite_skipped: dict[str, int] = {}
         self._client = MlflowClient(tracking_uri=self.tracking_uri)
         self._run_id: str | None = None
         self._experiment_id: str | None = None
-        self._buffer: list[Metric] = []
+        self._pending: list[Metric] = []  # logged, not yet accepted by MLflow; in logged order
         self._buffered_steps: set[int] = set()
+        self._reopen_args: tuple[dict[str, str], dict[str, str]] | None = None
+        self._others_sent = False
+        self._down_since: float | None = None
+        self._spooled: str | None = None
         self._finished = False
 
     @property
@@ -95,20 +106,29 @@ class MLflowMonitor:
     @property
     def experiment_id(self) -> str:
         if self._experiment_id is None:
-            raise RuntimeError("MLflowMonitor: call start() before asking for the experiment")
+            raise RuntimeError(
+                "MLflowMonitor: the run's experiment is not known: call start() first, or the "
+                f"server at {self.tracking_uri} has not answered since"
+            )
         return self._experiment_id
+
+    @property
+    def unsent(self) -> str | None:
+        """Where the metrics MLflow has not accepted yet are kept (the spool file), if any."""
+        return self._spooled
 
     def start(self, params: dict[str, object], tags: dict[str, str]) -> str:
         if self._run_id is not None:
             raise RuntimeError(f"MLflowMonitor: run {self._run_id} was already started")
         flat = flatten_params(params)
         if self.resume_run_id:
-            flat = self._reopen(self.resume_run_id, flat)
+            self._run_id = self.resume_run_id
+            self._reopen_args = (flat, tags)
         else:
-            self._experiment_id = self._get_or_create_experiment()
-            run = self._client.create_run(self._experiment_id, run_name=self.run_name)
-            self._run_id = run.info.run_id
-        self._send_params_and_tags(flat, tags)
+            self._create_run(flat, tags)
+        down = self._attempt(self._connect)
+        if down is not None:
+            self._outage(down)
         return self.run_id
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -121,7 +141,7 @@ class MLflowMonitor:
             if not math.isfinite(value):
                 self._count_nonfinite(key, value, step)
                 continue
-            self._buffer.append(Metric(key, value, timestamp_ms, step))
+            self._pending.append(Metric(key, value, timestamp_ms, step))
         self._buffered_steps.add(step)
         if len(self._buffered_steps) >= self.flush_every:
             self.flush()
@@ -130,12 +150,26 @@ class MLflowMonitor:
         run_id = self._run_id
         if run_id is None:
             return
-        # Drop each chunk from the buffer only once MLflow accepted it: nothing is sent twice.
-        while self._buffer:
-            chunk = self._buffer[:MAX_METRICS_PER_BATCH]
-            self._client.log_batch(run_id, metrics=chunk)
-            del self._buffer[: len(chunk)]
         self._buffered_steps.clear()
+        late = len(self._pending)
+        down = self._attempt(self._send_pending)
+        if down is not None:
+            self._outage(down)
+            self._keep()
+            return
+        if self._spooled is not None and self.spool is not None:
+            self.spool.clear()
+            self._spooled = None
+        if self._down_since is not None:
+            _log.warning(
+                "MLflow tracking server at %s answers again after %.0f s; sent the %d metrics "
+                "of run %s kept meanwhile",
+                self.tracking_uri,
+                time.monotonic() - self._down_since,
+                late,
+                run_id,
+            )
+            self._down_since = None
 
     def log_artifact(self, path: str) -> None:
         run_id = self._require_run()
@@ -161,11 +195,18 @@ class MLflowMonitor:
                 sum(self.nonfinite_skipped.values()),
                 dict(sorted(self.nonfinite_skipped.items())),
             )
-        self._client.set_terminated(self.run_id, status=status)
+        if self._down_since is None:
+            down = self._attempt(lambda: self._client.set_terminated(self.run_id, status=status))
+            if down is not None:
+                self._outage(down)
         self._finished = True
+        if self._down_since is not None:
+            self._end_while_down(status)
 
     def run_url(self) -> str:
         """The run's page in the MLflow UI, relative to the tracking server's base URL."""
+        if self._experiment_id is None:  # the server has not answered since start
+            return f"#/runs/{self.run_id}"
         return f"#/experiments/{self.experiment_id}/runs/{self.run_id}"
 
     def _require_run(self) -> str:
@@ -173,54 +214,106 @@ class MLflowMonitor:
             raise RuntimeError("MLflowMonitor: call start() before logging")
         return self._run_id
 
-    def _get_or_create_experiment(self) -> str:
-        found = self._client.get_experiment_by_name(self.experiment)
-        if found is not None:
-            return found.experiment_id
+    def _attempt(self, call: Callable[[], object]) -> Exception | None:
+        """Run `call` with the monitor's short requests; returns the error if the server is down
+        (any other error is raised)."""
         try:
-            return self._client.create_experiment(
-                self.experiment, artifact_location=sqlite_artifact_location(self.tracking_uri)
-            )
-        except MlflowException:
-            # Another process (a second service of the same run) may have created it meanwhile.
-            found = self._client.get_experiment_by_name(self.experiment)
-            if found is None:
+            with quick_requests(self.request_timeout_s, self.request_retries):
+                call()
+        except Exception as err:
+            if not is_outage(err):
                 raise
-            return found.experiment_id
+            return err
+        return None
 
-    def _reopen(self, run_id: str, flat: dict[str, str]) -> dict[str, str]:
-        """Mark `run_id` RUNNING again; returns the params it does not have yet."""
-        try:
-            run = self._client.get_run(run_id)
-        except MlflowException as err:
-            raise LookupError(
-                f"MLflowMonitor: resume_run_id {run_id!r} not found in {self.tracking_uri}"
-            ) from err
+    def _send_pending(self) -> None:
+        self._connect()
+        # Drop each chunk only once MLflow accepted it: nothing is lost, nor sent twice.
+        while self._pending:
+            chunk = self._pending[:MAX_METRICS_PER_BATCH]
+            self._client.log_batch(self.run_id, metrics=chunk)
+            del self._pending[: len(chunk)]
+
+    def _create_run(self, flat: dict[str, str], tags: dict[str, str]) -> None:
+        down = self._attempt(lambda: self._open_new_run(flat, tags))
+        if down is not None:
+            raise ConnectionError(
+                f"MLflow tracking server at {self.tracking_uri} is unreachable ({brief(down)}); "
+                "a new run cannot start without it. Start the server, or point "
+                "tracking.tracking_uri (or MLFLOW_TRACKING_URI) at one that answers"
+            ) from down
+
+    def _open_new_run(self, flat: dict[str, str], tags: dict[str, str]) -> None:
+        self._experiment_id = get_or_create_experiment(
+            self._client, self.experiment, self.tracking_uri
+        )
+        run = self._client.create_run(self._experiment_id, run_name=self.run_name)
         self._run_id = run.info.run_id
-        self._experiment_id = run.info.experiment_id
-        self._client.update_run(run_id, status="RUNNING")
-        existing = run.data.params
-        changed = sorted(k for k, v in flat.items() if k in existing and existing[k] != v)
-        if changed:
-            _log.warning(
-                "MLflow run %s keeps its original values for changed params %s "
-                "(MLflow does not allow changing a param)",
-                run_id,
-                changed,
-            )
-        return {k: v for k, v in flat.items() if k not in existing}
+        send_params_and_tags(self._client, self._run_id, flat, tags)
 
-    def _send_params_and_tags(self, params: dict[str, str], tags: dict[str, str]) -> None:
-        run_id = self._require_run()
-        entries: list[Param | RunTag] = [Param(k, v) for k, v in params.items()]
-        entries += [RunTag(k, str(v)) for k, v in tags.items()]
-        for i in range(0, len(entries), MAX_PARAMS_TAGS_PER_BATCH):
-            chunk = entries[i : i + MAX_PARAMS_TAGS_PER_BATCH]
-            self._client.log_batch(
-                run_id,
-                params=[e for e in chunk if isinstance(e, Param)],
-                tags=[e for e in chunk if isinstance(e, RunTag)],
+    def _connect(self) -> None:
+        """What waits for the server after start: re-opening a resumed run, then the metrics
+        other writers left in the spool directory."""
+        if self._reopen_args is not None:
+            flat, tags = self._reopen_args
+            self._experiment_id, new = reopen_run(
+                self._client, self.run_id, flat, self.tracking_uri
             )
+            send_params_and_tags(self._client, self.run_id, new, tags)
+            self._reopen_args = None
+        if not self._others_sent:
+            if self.spool is not None:
+                sent = self.spool.send_others(self._client, self.tracking_uri, self.run_id)
+                if sent:
+                    _log.warning(
+                        "sent %d metrics that earlier processes left unsent in %s",
+                        sent,
+                        self.spool.directory,
+                    )
+            self._others_sent = True
+
+    def _outage(self, err: BaseException) -> None:
+        if self._down_since is not None:
+            return
+        self._down_since = time.monotonic()
+        kept = "in memory only" if self.spool is None else f"in {self.spool.location(self.run_id)}"
+        _log.warning(
+            "MLflow tracking server at %s is unreachable (%s); training goes on. Metrics of run "
+            "%s are kept %s and sent when the server answers (tried at each flush)",
+            self.tracking_uri,
+            brief(err),
+            self.run_id,
+            kept,
+        )
+
+    def _keep(self, status: str | None = None) -> None:
+        """Write the spool file (what is pending, and the terminal status to set)."""
+        if self.spool is None or not (self._pending or status or self._spooled):
+            return
+        end = int(time.time() * 1000) if status else None
+        content = Spooled(self.tracking_uri, self.run_id, self._pending, status, end)
+        self._spooled = self.spool.save(content)
+
+    def _end_while_down(self, status: str) -> None:
+        if self.spool is None:
+            raise ConnectionError(
+                f"MLflow tracking server at {self.tracking_uri} is unreachable: run "
+                f"{self.run_id} ends with {len(self._pending)} metrics unsent and its status "
+                "unset, and this monitor has no spool to keep them in"
+            )
+        self._keep(status)
+        _log.warning(
+            "MLflow tracking server at %s is still unreachable: run %s ends with %d metrics "
+            "unsent and status %s not yet set. They are kept in %s and sent (and the status "
+            "set) when a run next starts on this storage and the server answers, or by "
+            "`relax send-metrics %s`",
+            self.tracking_uri,
+            self.run_id,
+            len(self._pending),
+            status,
+            self._spooled,
+            self.spool.directory,
+        )
 
     def _count_nonfinite(self, key: str, value: float, step: int) -> None:
         count = self.nonfinite_skipped.get(key, 0)
