@@ -1,5 +1,5 @@
 """`relax`: the command line for people operating runs (`relax queue`, `relax compare`,
-`relax scale`)."""
+`relax scale`, `relax send-metrics`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from relax_core.entrypoints import queue as queue_cli
 from relax_core.entrypoints import scale as scale_cli
+from relax_core.entrypoints import send_metrics as send_metrics_cli
 
 ACCURACY_METRIC = "eval/accuracy"
 
@@ -59,6 +60,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "queue": queue_cli.run,
     "compare": run_compare,
     "scale": scale_cli.run,
+    "send-metrics": send_metrics_cli.run,
 }
 
 
@@ -73,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     scale_cli.add_arguments(
         commands.add_parser("scale", help="show, grow or shrink a running run's rollout engines")
+    )
+    send_metrics_cli.add_arguments(
+        commands.add_parser("send-metrics", help="send metrics kept while MLflow was down")
     )
     args = parser.parse_args(argv)
     return _COMMANDS[args.command](args)
