@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import shutil
+import traceback
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -80,9 +81,11 @@ def publish_dir(
         return _publish_local(where(location), marker, build)
     staging = os.path.join(scratch_root(scratch_dir), f".publish-{uuid.uuid4().hex}")
     os.makedirs(staging)
+    built = False
     try:
         document = dict(build(staging))
         files = manifest(staging)
+        built = True
         files.pop(marker, None)
         document["files"] = files
         store = _store(location, options)
@@ -91,6 +94,11 @@ def publish_dir(
         for name in sorted(files):
             store.put_file(os.path.join(staging, name), name)
         store.write_replace(marker, json.dumps(document, indent=1, sort_keys=True).encode())
+    except BaseException as exc:
+        error = exc if built else _unwritten(exc, f"{location} (staged in {staging})", staging)
+        if error is exc:
+            raise
+        raise error from exc
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return where(location)
@@ -115,9 +123,12 @@ def _publish_local(final: str, marker: str, build: Callable[[str], dict[str, Any
             shutil.rmtree(final)
         os.rename(staging, final)
         _fsync_dir(parent_dir)
-    except BaseException:
+    except BaseException as exc:
+        error = _unwritten(exc, final, staging)
         shutil.rmtree(staging, ignore_errors=True)
-        raise
+        if error is exc:
+            raise
+        raise error from exc
     return final
 
 
@@ -129,8 +140,16 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def is_disk_full(err: BaseException) -> bool:
-    """Whether `err` (or what caused it) is a full disk or an exhausted quota."""
+_FULL_BYTES = 1 << 20
+"""Free space below which a failed write is taken for a full disk (a root process fails only
+once the reserved blocks are gone too, with f_bavail long at 0)."""
+
+
+def is_disk_full(err: BaseException, directory: str = "") -> bool:
+    """Whether `err` (or what caused it) is a full disk or an exhausted quota; with `directory`,
+    also whether its filesystem has (almost) no space left. torch.save reports a full disk as
+    "unexpected pos" with the errno lost (pytorch/pytorch#10577), so the error alone cannot
+    tell."""
     seen: set[int] = set()
     cur: BaseException | None = err
     while cur is not None and id(cur) not in seen:
@@ -141,7 +160,29 @@ def is_disk_full(err: BaseException) -> bool:
         if "No space left on device" in str(cur) or "Disk quota exceeded" in str(cur):
             return True
         cur = cur.__cause__ or cur.__context__
+    if directory:
+        with contextlib.suppress(OSError):
+            st = os.statvfs(directory)
+            return st.f_bavail * st.f_frsize < _FULL_BYTES
     return False
+
+
+def _unwritten(exc: BaseException, place: str, staging: str) -> BaseException:
+    """What to raise for a failed publish: a full disk as OSError(ENOSPC) naming the place
+    (asked while the staging directory still fills it), anything else as it is."""
+    if not (isinstance(exc, Exception) and is_disk_full(exc, staging)):
+        return exc
+    # A writer that failed mid-file (torch.save's) stays alive in the traceback's frames with
+    # its file open: deleting the staging directory would free none of its space until the
+    # error is collected. Its locals go; the traceback's lines stay.
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        traceback.clear_frames(cur.__traceback__)
+        cur = cur.__cause__ or cur.__context__
+    text = f"no space left on device writing {place} ({type(exc).__name__}: {exc})"
+    return OSError(errno.ENOSPC, text)
 
 
 def remove_dir(location: str, marker: str, options: dict | None = None) -> None:
