@@ -328,6 +328,10 @@ def _check_storage(e: list[str], cfg) -> None:
     if not st.root:
         e.append("storage.root: required (a local directory or a URL such as s3://bucket/prefix)")
     _check_endpoint(e, "storage", st.root, st.endpoint_url)
+    if st.outage_limit_s < 0:
+        e.append(
+            f"storage.outage_limit_s: must be >= 0 (0 = stop at once), got {st.outage_limit_s}"
+        )
     if "://" in st.scratch_dir:
         e.append(f"storage.scratch_dir: a local directory, got the URL {st.scratch_dir!r}")
 

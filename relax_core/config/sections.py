@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from relax_core.config.services import QueueConfig, ServicesConfig, SGLangConfig
+from relax_core.config.services import QueueConfig, ServicesConfig, SGLangConfig, StorageConfig
 
 
 @dataclass(frozen=True)
@@ -339,29 +339,6 @@ class TrackingConfig:
     request_retries: int = 1
     """Immediate retries of a failed metric-logging request (0-10) before the server counts as
     down."""
-
-
-@dataclass(frozen=True)
-class StorageConfig:
-    """Where a run's state lives. On a cluster every task is a new pod with an empty disk, so
-    everything one task leaves for another goes here, never to a local path."""
-
-    root: str = ".relax"
-    """A local directory, or an fsspec URL such as s3://bucket/prefix on a cluster. The queue,
-    checkpoints, prepared policies, published weights and reports go under it unless
-    queue.root, checkpoint.dir or checkpoint.policy_cache_dir name another place."""
-    endpoint_url: str = ""
-    """S3 endpoint for s3:// URLs (MinIO, SeaweedFS...); empty = AWS. Credentials come from the
-    usual AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY environment."""
-    scratch_dir: str = ""
-    """Local directory a task copies checkpoint and policy files into before loading them (once
-    per content); empty = $TMPDIR/relax-scratch. Unused when the root is local."""
-
-    def options(self) -> dict:
-        """fsspec options for URLs under `root`."""
-        if self.endpoint_url:
-            return {"client_kwargs": {"endpoint_url": self.endpoint_url}}
-        return {}
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,35 @@
-"""Run configuration, where the run's parts run: the queue's storage, the async services and
-their weight sync, the SGLang servers. Sections of the run config (sections.py)."""
+"""Run configuration, where the run's parts run: the run's storage and its queue, the async
+services and their weight sync, the SGLang servers. Sections of the run config (sections.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """Where a run's state lives. On a cluster every task is a new pod with an empty disk, so
+    everything one task leaves for another goes here, never to a local path."""
+
+    root: str = ".relax"
+    """A local directory, or an fsspec URL such as s3://bucket/prefix on a cluster. The queue,
+    checkpoints, prepared policies, published weights and reports go under it unless
+    queue.root, checkpoint.dir or checkpoint.policy_cache_dir name another place."""
+    endpoint_url: str = ""
+    """S3 endpoint for s3:// URLs (MinIO, SeaweedFS...); empty = AWS. Credentials come from the
+    usual AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY environment."""
+    scratch_dir: str = ""
+    """Local directory a task copies checkpoint and policy files into before loading them (once
+    per content); empty = $TMPDIR/relax-scratch. Unused when the root is local."""
+    outage_limit_s: float = 600.0
+    """How long every part of a run waits for unreachable storage (an object store restarting)
+    before the run stops with an error; its checkpoints stay resumable. 0 = stop at once."""
+
+    def options(self) -> dict:
+        """fsspec options for URLs under `root`."""
+        if self.endpoint_url:
+            return {"client_kwargs": {"endpoint_url": self.endpoint_url}}
+        return {}
 
 
 @dataclass(frozen=True)
@@ -79,6 +105,10 @@ class ServicesConfig:
     from its newest checkpoint) before the whole run is restarted from that checkpoint."""
     max_global_restarts: int = 2
     """Local supervisor: whole-run restarts before the run gives up with a report."""
+    preemption_grace_s: float = 90.0
+    """Seconds from SIGTERM to SIGKILL in which a preempted run writes its checkpoint (at the
+    end of the step under way): the pods' terminationGracePeriodSeconds on a cluster, and how
+    long the local supervisor waits for the trainer. Cover one step plus one checkpoint write."""
     restart_window_s: float = 1800.0
     """Local supervisor: max_role_restarts counts a role's failures within this many seconds,
     so a long run is not given up over failures spread across days."""

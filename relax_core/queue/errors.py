@@ -36,6 +36,10 @@ class StorageError(RuntimeError):
 class StorageUnavailable(StorageError):
     """Storage could not be reached, or kept failing transiently after every retry."""
 
+    exit_code = 75
+    """What a role process exits with on it (EX_TEMPFAIL), so its supervisor stops the run
+    instead of restarting a process that would wait for the same storage."""
+
 
 def _chain(err: BaseException) -> Iterator[BaseException]:
     seen: set[int] = set()

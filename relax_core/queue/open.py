@@ -30,7 +30,8 @@ def check_queue_storage(cfg: QueueConfig, multi_writer: bool = False) -> None:
     # A fresh client: fsspec reuses instances with equal options, which would keep credentials
     # read before the environment changed.
     options = {**cfg.storage_options(), "skip_instance_cache": True}
-    store = ObjectStore(cfg.root, options, retry=RetryPolicy(attempts=2))
+    # Fails fast: a run that cannot reach its storage at start is a setup error, not an outage.
+    store = ObjectStore(cfg.root, options, retry=RetryPolicy(attempts=2, outage_limit_s=0))
     store.check_access(f".relax-probe-{uuid.uuid4().hex}")
     probe = f".relax-probe-{uuid.uuid4().hex}"
     if multi_writer and not store.is_local and not probe_create_if_absent(store, probe):

@@ -10,45 +10,23 @@ OSError carrying HTTP 412 depending on the client.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import posixpath
-import random
 import shutil
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from relax_core.queue.errors import (
-    StorageError,
-    StorageUnavailable,
-    is_access_denied,
-    is_missing_bucket,
-    is_precondition_failed,
-    is_transient,
-)
+from relax_core.queue.errors import StorageError, StorageUnavailable, is_precondition_failed
+from relax_core.queue.retry import OUTAGES, RetryPolicy, brief, raise_unless_transient
 
 _TMP_PREFIX = ".tmp-"
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Retries for transient storage faults, on top of the client's own (s3fs retries too)."""
-
-    attempts: int = 4
-    """Tries per operation, the first included."""
-    base_delay_s: float = 0.1
-    """Delay before the second try; doubles per try, with jitter."""
-    max_delay_s: float = 2.0
-    """Upper bound of one delay."""
-
-    def delay(self, attempt: int) -> float:
-        return min(self.max_delay_s, self.base_delay_s * 2**attempt) * random.uniform(0.5, 1.0)
 
 
 class ObjectStore:
@@ -90,35 +68,60 @@ class ObjectStore:
         return f"{self._root_url}/{path}" if path else self._root_url
 
     def _call(self, what: str, path: str, fn: Callable[[], T], attempts: int | None = None) -> T:
-        """Run `fn` with retries on transient faults; classify what finally fails."""
+        """Run `fn` with quick retries on transient faults, then, while the store stays
+        unreachable, keep trying until the outage limit; classify what finally fails."""
         attempts = attempts or self.retry.attempts
-        for attempt in range(attempts):
-            try:
-                return fn()
-            except Exception as err:
-                if is_precondition_failed(err):
-                    raise
-                if is_access_denied(err):
-                    raise StorageError(
-                        f"access denied {what} {self.url(path)}: check the credentials "
-                        "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or storage_options) and the "
-                        f"bucket policy ({err})"
-                    ) from err
-                if is_missing_bucket(err):
-                    raise StorageError(
-                        f"the bucket of {self.url(path)} does not exist: create it or fix the "
-                        "queue root"
-                    ) from err
-                if not is_transient(err):
-                    raise
-                if attempt + 1 == attempts:
-                    raise StorageUnavailable(
-                        f"storage at {self.url(path)} failed {attempts} times {what} "
-                        f"({type(err).__name__}: {err}); check that the endpoint is reachable"
-                    ) from err
-                self.retries_used += 1
-                time.sleep(self.retry.delay(attempt))
+        first_failure = 0.0
+        waiting = False
+        try:
+            for attempt in itertools.count():
+                try:
+                    result = fn()
+                except Exception as err:
+                    raise_unless_transient(err, what, self.url(path))
+                    now = time.monotonic()
+                    first_failure = first_failure or now
+                    if attempt + 1 < attempts:
+                        self.retries_used += 1
+                        time.sleep(self.retry.delay(attempt))
+                        continue
+                    limit = self.retry.limit_s()
+                    if now - first_failure >= limit:
+                        raise self._unavailable(
+                            what, path, attempt + 1, now - first_failure, err
+                        ) from err
+                    if not waiting:
+                        OUTAGES.join(self._root_key())
+                        waiting = True
+                    OUTAGES.waiting(self._root_key(), first_failure, what, limit, err)
+                    self.retries_used += 1
+                    time.sleep(min(self.retry.outage_poll_s, limit - (now - first_failure)))
+                    continue
+                if waiting:
+                    OUTAGES.leave(self._root_key(), recovered=True)
+                    waiting = False
+                return result
+        finally:
+            if waiting:
+                OUTAGES.leave(self._root_key(), recovered=False)
         raise AssertionError("unreachable")
+
+    def _root_key(self) -> str:
+        return self.url("")
+
+    def _unavailable(
+        self, what: str, path: str, tries: int, down_s: float, err: Exception
+    ) -> StorageUnavailable:
+        limit = self.retry.limit_s()
+        waited = (
+            f"unreachable for {down_s:.1f} s, past storage.outage_limit_s = {limit:g} s,"
+            if limit > 0
+            else f"failed {tries} times"
+        )
+        return StorageUnavailable(
+            f"storage at {self.url(path)} {waited} {what} ({brief(err)}); "
+            "check that the endpoint is reachable"
+        )
 
     def check_access(self, path: str = "") -> None:
         """Write, read back and delete a probe object; a StorageError says what is wrong."""
@@ -199,8 +202,15 @@ class ObjectStore:
             if max_bytes > 0:
                 starts, ends = [0] * len(full), [max_bytes] * len(full)
                 parts = self.fs.cat_ranges(list(full), starts, ends, on_error="return")
-                return dict(zip(full, parts, strict=True))
-            return self.fs.cat(list(full), on_error="omit")
+                got = dict(zip(full, parts, strict=True))
+            else:
+                got = self.fs.cat(list(full), on_error="return")
+            # Only an absent object is absent: a read that failed (the store restarting) must
+            # not pass for one, or a listing of checkpoints or entries would silently shrink.
+            for value in got.values():
+                if isinstance(value, Exception) and not isinstance(value, FileNotFoundError):
+                    raise value
+            return got
 
         got = self._call("reading", paths[0], cat)
         return {full[k]: v for k, v in got.items() if k in full and isinstance(v, bytes)}

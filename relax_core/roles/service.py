@@ -19,6 +19,7 @@ from typing import Any
 
 from relax_core.config import RunConfig, load_config
 from relax_core.queue import TransferQueue, open_queue
+from relax_core.queue.retry import set_outage_limit
 from relax_core.storage import where
 from relax_core.train.checkpoint import local_checkpoint
 from relax_core.train.factory import TRAINER_ONLY
@@ -106,6 +107,7 @@ def run_role(
     worker: int = 0,
 ) -> None:
     """Serve `role` in this process until the run stops (a Flyte task calls this directly)."""
+    set_outage_limit(cfg.storage.outage_limit_s)
     queue = open_queue(cfg.queue, run_id)
     # Only the trainer loads optimizer state and master weights: the others never download them.
     skip = () if role == "trainer" else TRAINER_ONLY

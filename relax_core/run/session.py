@@ -19,6 +19,7 @@ from relax_core.models import lora
 from relax_core.models.policy import load_policy, load_teacher, on_accelerator
 from relax_core.models.routing_replay import attach_routing_replay
 from relax_core.queue import open_queue
+from relax_core.queue.retry import set_outage_limit
 from relax_core.rewards.registry import build_reward
 from relax_core.roles.episodes import env_runner
 from relax_core.roles.media import prompt_source, resolver_for
@@ -36,6 +37,7 @@ class RunSession:
     def __init__(self, cfg: RunConfig, model_dir: str, state: RunState) -> None:
         self.cfg = cfg
         self.state = state
+        set_outage_limit(cfg.storage.outage_limit_s)
         if cfg.train.torch_threads:
             torch.set_num_threads(cfg.train.torch_threads)
         # Async mode trains in its own trainer service: this session evaluates and writes the

@@ -107,7 +107,7 @@ def test_unreachable_endpoint_is_reported_after_retries() -> None:
         "client_kwargs": {"endpoint_url": "http://127.0.0.1:9", "region_name": "eu-west-1"},
         "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}},
     }
-    retry = RetryPolicy(attempts=2, base_delay_s=0.01)
+    retry = RetryPolicy(attempts=2, base_delay_s=0.01, outage_limit_s=0)
     queue = TransferQueue("s3://some-bucket/runs", "r5", options, retry=retry)
     with pytest.raises(StorageUnavailable, match=r"s3://some-bucket/runs/r5.* failed 2 times"):
         queue.probe()

@@ -22,6 +22,7 @@ from relax_core.queue import (
     table_to_rows,
     with_columns,
 )
+from relax_core.queue.retry import DEFAULT_OUTAGE_LIMIT_S, last_outage_ended, set_outage_limit
 from relax_core.queue.store import ObjectStore
 from tests.unit.test_queue import _group_rows
 
@@ -304,7 +305,7 @@ class _LostReply:
 
 
 fsspec.register_implementation("memory-flaky", _FlakyFS, clobber=True)
-_FAST = RetryPolicy(attempts=4, base_delay_s=0.001, max_delay_s=0.002)
+_FAST = RetryPolicy(attempts=4, base_delay_s=0.001, max_delay_s=0.002, outage_limit_s=0)
 
 
 def test_transient_errors_are_retried_and_counted() -> None:
@@ -333,6 +334,52 @@ def test_create_whose_reply_was_lost_is_recognised_as_ours() -> None:
         assert store.create_if_absent("log/x", b"theirs") is False
     finally:
         _FlakyFS.failures, _FlakyFS.apply_then_fail = 0, False
+
+
+def test_an_outage_within_the_limit_is_waited_out_and_said_in_the_log(caplog) -> None:
+    # 2 quick tries, then tries every 10 ms: 9 failures are an outage of ~80 ms, within 30 s.
+    retry = RetryPolicy(attempts=2, base_delay_s=0.001, outage_limit_s=30, outage_poll_s=0.01)
+    store = ObjectStore("memory-flaky://outage-1", retry=retry)
+    _FlakyFS.failures = 9
+    with caplog.at_level(logging.WARNING, logger="relax_core.queue.store"):
+        store.write_immutable("a", b"x")
+    assert store.read_bytes("a") == b"x"
+    said = [r.getMessage() for r in caplog.records]
+    assert len([m for m in said if "is unreachable" in m]) == 1, said
+    assert "waiting up to 30 s for it (storage.outage_limit_s)" in said[0]
+    assert "memory-flaky://outage-1" in said[0] and "ConnectionResetError" in said[0]
+    assert "answers again" in said[-1]
+    assert last_outage_ended() > 0
+
+
+def test_an_outage_past_the_limit_stops_with_the_limit_named() -> None:
+    retry = RetryPolicy(attempts=2, base_delay_s=0.001, outage_limit_s=0.1, outage_poll_s=0.01)
+    store = ObjectStore("memory-flaky://outage-2", retry=retry)
+    _FlakyFS.failures = 10_000
+    try:
+        with pytest.raises(
+            StorageUnavailable,
+            match=r"memory-flaky://outage-2/a unreachable for [\d.]+ s, past "
+            r"storage.outage_limit_s = 0.1 s, writing",
+        ):
+            store.write_immutable("a", b"x")
+        assert 10 <= store.retries_used < 1000  # it kept trying, every outage_poll_s
+    finally:
+        _FlakyFS.failures = 0
+
+
+def test_the_process_outage_limit_applies_where_no_policy_names_one() -> None:
+    set_outage_limit(0)
+    try:
+        store = ObjectStore("memory-flaky://outage-3", retry=RetryPolicy(base_delay_s=0.001))
+        _FlakyFS.failures = 10
+        with pytest.raises(StorageUnavailable, match="failed 4 times"):
+            store.write_immutable("a", b"x")
+    finally:
+        _FlakyFS.failures = 0
+        set_outage_limit(DEFAULT_OUTAGE_LIMIT_S)
+    with pytest.raises(ValueError, match=">= 0"):
+        set_outage_limit(-1)
 
 
 class _DeniedFS(MemoryFileSystem):
