@@ -76,9 +76,12 @@ def api_key_env(secret: str) -> V1EnvVar:
     return V1EnvVar(name=API_KEY_ENV, value_from=V1EnvVarSource(secret_key_ref=ref))
 
 
-def model_pod(image: str | None, gpus: int, shm: bool, api_key_secret: str = "") -> PodTemplate:
+def model_pod(
+    image: str | None, gpus: int, shm: bool, api_key_secret: str = "", grace_s: float = 0
+) -> PodTemplate:
     """The task's own container (`image`; None = the task's) with a memory /dev/shm when `shm`,
-    and the SGLang API key when `api_key_secret` names the run's secret."""
+    the SGLang API key when `api_key_secret` names the run's secret, and `grace_s` seconds
+    between SIGTERM and SIGKILL when it trains (the checkpoint a preempted pod writes)."""
     primary = V1Container(
         name=PRIMARY,
         image=image,
@@ -89,6 +92,7 @@ def model_pod(image: str | None, gpus: int, shm: bool, api_key_secret: str = "")
         containers=[primary],
         volumes=[_SHM] if shm else None,
         tolerations=_ON_GPU_NODES if gpus else None,
+        termination_grace_period_seconds=int(grace_s) if grace_s else None,
     )
     return PodTemplate(primary_container_name=PRIMARY, pod_spec=spec)
 

@@ -55,6 +55,8 @@ SESSION = ("start_run", "rl_steps", "finish_run", "evaluate_checkpoint")
 """Tasks that hold the model and its rollout engine in one process (an SGLang server among it)."""
 MODEL = (*SESSION, "prepare_policy", "async_local", "trainer_service", "rollout_service")
 MODEL += ("reference_service", "actor_fwd_service")
+TRAINS = ("rl_steps", "async_local", "trainer_service")
+"""Tasks that write checkpoints as they train: their pods give SIGTERM the preemption grace."""
 TASKS = (*LIGHT, *MODEL, "sglang_rollout_service")
 PER_GPU = (8, 64)
 """CPUs and GiB requested per GPU; the limits are PER_GPU_LIMIT."""
@@ -170,7 +172,8 @@ def task_ask(cfg: RunConfig, task: str) -> Ask:
     image = TRAINER_IMAGE if n else None
     shm = n > 1 or (sglang and task in (*SESSION, "async_local"))
     key = cfg.sglang.api_key_secret if sglang and task == "trainer_service" else ""
-    pod = model_pod(image, n, shm, key) if shm or key else None
+    grace = cfg.services.preemption_grace_s if task in TRAINS else 0
+    pod = model_pod(image, n, shm, key, grace) if shm or key or grace else None
     return Ask(
         _resources(requests, n), _resources(limits, n), accelerator if n else None, image, pod
     )

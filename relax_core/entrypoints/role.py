@@ -14,10 +14,12 @@ import os
 import sys
 
 from relax_core.config import ConfigError
+from relax_core.queue import StorageUnavailable
 from relax_core.roles.service import ROLES, load_run_config, run_role
 from relax_core.roles.trainer_ranks import follow_rank0
 from relax_core.run.role_services import serve_fn
 from relax_core.storage import is_committed
+from relax_core.train import preemption
 from relax_core.train.checkpoint import STATE_FILE, local_checkpoint
 
 
@@ -48,11 +50,18 @@ def main(argv: list[str] | None = None) -> int:
     if not is_committed(args.checkpoint, STATE_FILE, cfg.storage.options()):
         print(f"error: --checkpoint {args.checkpoint} is not a checkpoint", file=sys.stderr)
         return 2
-    if args.role == "trainer" and rank > 0:
-        options, scratch = cfg.storage.options(), cfg.storage.scratch_dir
-        follow_rank0(cfg, local_checkpoint(args.checkpoint, options, scratch))
-    else:
-        run_role(args.role, serve_fn(args.role), cfg, args.run, args.checkpoint, args.worker)
+    try:
+        if args.role == "trainer" and rank > 0:
+            options, scratch = cfg.storage.options(), cfg.storage.scratch_dir
+            follow_rank0(cfg, local_checkpoint(args.checkpoint, options, scratch))
+        else:
+            run_role(args.role, serve_fn(args.role), cfg, args.run, args.checkpoint, args.worker)
+    except preemption.Preempted as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return preemption.EXIT_CODE
+    except StorageUnavailable as exc:
+        print(f"error: {name}: {exc}", file=sys.stderr)
+        return StorageUnavailable.exit_code
     return 0
 
 

@@ -8,7 +8,9 @@ import logging
 import sys
 
 from relax_core.config import ConfigError, load_config
+from relax_core.queue import StorageUnavailable
 from relax_core.run.lifecycle import run
+from relax_core.train import preemption
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +23,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    run(cfg)
+    try:
+        run(cfg)
+    except preemption.Preempted as exc:
+        print(str(exc), file=sys.stderr)
+        return preemption.EXIT_CODE
+    except StorageUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return StorageUnavailable.exit_code
     return 0
 
 

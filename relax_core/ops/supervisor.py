@@ -54,10 +54,12 @@ from relax_core.ops.processes import (
     unwind_on_sigterm,
     usable_cores,
 )
-from relax_core.queue import open_queue
+from relax_core.queue import StorageUnavailable, open_queue
+from relax_core.queue.retry import last_outage_ended, set_outage_limit
 from relax_core.roles.cores import ENV as CORE_SHARE_ENV
 from relax_core.storage import join, local_dir_for, read_json, remove_file, where, write_json
 from relax_core.train import checkpoint as ckpt
+from relax_core.train import preemption
 from relax_core.train.checkpoint import FINAL_CHECKPOINT
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ class GaveUp(RuntimeError):
 class Supervisor:
     def __init__(self, cfg: RunConfig, checkpoint: str) -> None:
         self.cfg = cfg
+        set_outage_limit(cfg.storage.outage_limit_s)
         self.options = cfg.storage.options()
         self.checkpoint = where(checkpoint)
         self.run_id = ckpt.read_state(checkpoint, self.options)["run_id"]
@@ -94,9 +97,11 @@ class Supervisor:
         self.notifier = Notifier(cfg.services.notify, self.run_id)
         self.pool: ElasticPool | None = None
         self.api = None
+        """The scaling API's server (scale_api.ScaleServer) while the run goes on."""
         self.placement: list[Slot] = []
         """Each model-holding process's GPUs ([] on a CPU run)."""
-        """The scaling API's server (scale_api.ScaleServer) while the run goes on."""
+        self._newest_seen = self.checkpoint
+        """The newest checkpoint of the run this supervisor has listed (for messages)."""
 
     def _prepare(self) -> str:
         """Fresh control state for this launch; returns the config file the roles read."""
@@ -122,7 +127,33 @@ class Supervisor:
 
     def _newest_checkpoint(self) -> str:
         found = ckpt.list_checkpoints(self.run_dir, self.options)
-        return found[-1] if found else self.checkpoint
+        self._newest_seen = found[-1] if found else self.checkpoint
+        return self._newest_seen
+
+    def _preempt(self) -> preemption.Preempted:
+        """SIGTERM reached this process (its pod or machine is going away): the trainer gets it
+        first and checkpoints at the end of its step, within services.preemption_grace_s,
+        while every other role still serves it; the caller's cleanup then stops the rest."""
+        grace = self.cfg.services.preemption_grace_s
+        trainer = self.live.get("trainer-0")
+        if trainer is not None and not self._reap(trainer):
+            log.warning("SIGTERM: the trainer checkpoints at the end of its step (%.0f s)", grace)
+            send_signal(trainer, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while not self._reap(trainer):
+                if time.monotonic() > deadline:
+                    log.error(
+                        "the trainer wrote no checkpoint within services.preemption_grace_s "
+                        "= %.0f s; the run resumes from its newest one",
+                        grace,
+                    )
+                    self._kill(trainer)
+                    break
+                time.sleep(0.05)
+        newest = self._newest_checkpoint()
+        return preemption.Preempted(
+            newest, int(ckpt.read_state(newest, self.options)["policy_version"])
+        )
 
     def _start(self, role: str, worker: int) -> RoleProcess:
         name = f"{role}-{worker}"
@@ -218,6 +249,7 @@ class Supervisor:
         self._env = env
         self.pool = ElasticPool(self.cfg, self.queue, self)
         previous_sigterm = unwind_on_sigterm()
+        storage_down = False
         try:
             if self.cfg.services.scale_api:
                 self._serve_scale_api()
@@ -230,15 +262,28 @@ class Supervisor:
                 f"{self.global_restarts} whole-run restart(s) on the way",
                 "success",
             )
+        except SystemExit as exit_:
+            if exit_.code != preemption.EXIT_CODE:
+                raise
+            raise self._preempt() from None
+        except StorageUnavailable as err:
+            storage_down = True  # nothing more can be written there: stop what runs
+            raise StorageUnavailable(
+                f"async run {self.run_id} stopped: {err}. Its checkpoints stay on that "
+                f"storage (the newest this supervisor saw: {self._newest_seen}); once it is "
+                "reachable, run again with checkpoint.resume: true"
+            ) from err
         finally:
             if self.api is not None:
                 self.api.close()
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(self.local_dir, "scale_api.json"))
             if any(rp.exit_code is None for rp in self.live.values()):
-                self.queue.stop()
+                if not storage_down:
+                    self.queue.stop()
                 self._terminate(10.0)
-            self._write_accounting()
+            if not storage_down:
+                self._write_accounting()
             if previous_sigterm is not None:
                 signal.signal(signal.SIGTERM, previous_sigterm)
         return read_json(join(self.run_dir, FINAL_CHECKPOINT), self.options)["checkpoint"]
@@ -255,13 +300,15 @@ class Supervisor:
     def _silent(self, beats: dict[str, dict], rp: RoleProcess) -> float | None:
         """Seconds since `rp`'s own last heartbeat, if that is longer than the timeout."""
         timeout = self.cfg.services.heartbeat_timeout_s
-        age = time.perf_counter() - rp.started
+        # While storage was down no heartbeat could be written: silence counts from its return.
+        since_outage = time.time() - last_outage_ended()
+        age = min(time.perf_counter() - rp.started, since_outage)
         beat = beats.get(rp.name)
         if beat is None or beat.get("info", {}).get("pid") != rp.pid:
             # Not beating yet: still importing and loading, given as long as joining takes.
             grace = max(timeout, self.cfg.services.start_timeout_s)
             return age if age > grace else None
-        silent = time.time() - float(beat["time"])
+        silent = min(time.time() - float(beat["time"]), since_outage)
         return silent if silent > timeout else None
 
     def _failures(self, beats: dict[str, dict]) -> list[tuple[RoleProcess, str]]:
@@ -336,6 +383,11 @@ class Supervisor:
         while True:
             beats = {f"{b['role']}-{b['worker_id']}": b for b in self.queue.heartbeats()}
             for rp, what in self._failures(beats):
+                if rp.exit_code == StorageUnavailable.exit_code:
+                    raise StorageUnavailable(
+                        f"{rp.name} {what}: its storage stayed unreachable past "
+                        f"storage.outage_limit_s (its log: {rp.log_path})"
+                    )
                 if trainer_done_at is None:
                     self._recover(rp, what)
                 else:  # the run is over; a service failing on its way out changes nothing

@@ -33,6 +33,7 @@ from relax_core.roles.service import RoleContext, set_threads
 from relax_core.roles.trainer import train_on_table
 from relax_core.storage import join, local_cache, write_json
 from relax_core.train import checkpoint as ckpt
+from relax_core.train import preemption
 from relax_core.train.checkpoint import FINAL_CHECKPOINT
 from relax_core.train.run_state import RunState
 
@@ -252,6 +253,8 @@ class AsyncTrainer:
                 return self.pool.take(chosen), time.perf_counter() - t0
             if enough and blocked_since is None:
                 blocked_since = time.perf_counter()
+            if preemption.requested():  # nothing taken yet: a step boundary
+                raise preemption.Interrupted
             if ctx.stopped():
                 raise RuntimeError("control/stop appeared before the run finished")
             ctx.status["state"] = f"waiting for ready groups ({len(self.pool.groups)} on hand)"

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from relax_core.config import RunConfig
 from relax_core.tracking.console import ProgressBar
 from relax_core.tracking.runs import monitor_for, run_tags
+from relax_core.train import preemption
+from relax_core.train.checkpoint import step_dir_name
 from relax_core.train.run_state import RunState
 
 log = logging.getLogger(__name__)
@@ -34,28 +36,47 @@ def train_until(
     monitor.start(dataclasses.asdict(cfg), run_tags(state.run_id, cfg.mode))
     bar = ProgressBar(total, state.policy_version, enabled=cfg.tracking.progress)
     try:
-        while state.policy_version < target:
-            metrics = step()
-            v = state.policy_version
-            every = cfg.train.eval_every
-            if every and v % every == 0 and v < total:
-                metrics.update(evaluate())
-            monitor.log_metrics(metrics, step=v)
-            bar.update(v, metrics)
-            if not cfg.tracking.progress and (v % 10 == 0 or v == target):
-                log.info(
-                    "step %d/%d reward %.3f staleness %.2f step %.3fs",
-                    v,
-                    total,
-                    metrics.get("train/reward_mean", float("nan")),
-                    metrics.get("train/staleness_mean", float("nan")),
-                    metrics.get("perf/step_s", float("nan")),
-                )
-            if v % cfg.train.checkpoint_every == 0 or v == target:
-                # Flushed first: a checkpoint never exists without the metrics that led to it.
-                monitor.flush()
-                latest = save()
+        with preemption.checkpoint_on_sigterm():
+            while state.policy_version < target:
+                try:
+                    metrics = step()
+                except preemption.Interrupted:
+                    metrics = None  # stopped while waiting for its inputs: nothing trained
+                v = state.policy_version
+                stop = preemption.requested()
+                if metrics is not None:
+                    every = cfg.train.eval_every
+                    if every and v % every == 0 and v < total and not stop:
+                        metrics.update(evaluate())
+                    monitor.log_metrics(metrics, step=v)
+                    bar.update(v, metrics)
+                    _log_progress(cfg, metrics, v, target)
+                if stop or v % cfg.train.checkpoint_every == 0 or v == target:
+                    # Flushed first: a checkpoint never exists without the metrics that led to it.
+                    monitor.flush()
+                    if stop and metrics is None and _is_version(latest, v):
+                        raise preemption.Preempted(latest, v)
+                    latest = save()
+                if stop:
+                    raise preemption.Preempted(latest, v)
     finally:
         bar.close()
         monitor.flush()
     return latest
+
+
+def _log_progress(cfg: RunConfig, metrics: dict[str, float], v: int, target: int) -> None:
+    if not cfg.tracking.progress and (v % 10 == 0 or v == target):
+        log.info(
+            "step %d/%d reward %.3f staleness %.2f step %.3fs",
+            v,
+            cfg.train.total_steps,
+            metrics.get("train/reward_mean", float("nan")),
+            metrics.get("train/staleness_mean", float("nan")),
+            metrics.get("perf/step_s", float("nan")),
+        )
+
+
+def _is_version(checkpoint: str, version: int) -> bool:
+    """Whether `checkpoint` (a step directory) holds `version`: then there is nothing to save."""
+    return checkpoint.rstrip("/").endswith(step_dir_name(version))

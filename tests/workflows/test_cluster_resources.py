@@ -294,7 +294,10 @@ def test_rl_loop_gives_its_steps_the_run_s_own_resources(tmp_path, name, gpus, i
     assert _override_gpus(steps) == gpus
     assert o.container_image == image
     assert (o.extended_resources is not None) == bool(gpus)
-    assert (o.pod_template is not None) == bool(gpus)
+    assert _shm(o.pod_template.pod_spec) == bool(gpus)
+    # Kubernetes' SIGTERM leaves the step under way time to end and be checkpointed.
+    grace = _cfg(name).services.preemption_grace_s
+    assert o.pod_template.pod_spec["terminationGracePeriodSeconds"] == grace
 
 
 def test_overrides_are_empty_when_a_dynamic_runs_locally():
