@@ -213,7 +213,7 @@ def finish_run(cfg: RunConfig, checkpoint: str) -> dict[str, Any]:
     local = ckpt.local_checkpoint(checkpoint, cfg.storage.options(), cfg.storage.scratch_dir)
     registered = register_final_policy(cfg, state, local, after, monitor.tracking_uri)
     monitor.finish("FINISHED")
-    unsent = monitor.unsent  # the tracking server was down: the spool file the metrics wait in
+    unsent = monitor.unsent  # the tracking server was down: the spool files the metrics wait in
     summary = {
         "eval_accuracy_before": state.eval_before.get("eval/accuracy"),
         "eval_accuracy_after": after["eval/accuracy"],

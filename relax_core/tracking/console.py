@@ -112,7 +112,7 @@ def format_summary(summary: Mapping[str, object]) -> str:
 
     eval_accuracy_before/after: floats in [0, 1]; wall_time_s: seconds; steps: int;
     mlflow_run_id / mlflow_run_url / checkpoint / registered_model / compare_url: strings;
-    mlflow_unsent: the spool file holding metrics the tracking server has not taken yet. A line
+    mlflow_unsent: spool files holding metrics the tracking server has not taken yet. A line
     whose values are absent is left out.
     """
     unknown = sorted(set(summary) - set(SUMMARY_KEYS))
@@ -150,13 +150,18 @@ def _mlflow_line(summary: Mapping[str, object]) -> str | None:
     return "  ".join(parts) or None
 
 
-def _unsent_line(location: object) -> str | None:
-    if not location:
+def _unsent_line(files: object) -> str | None:
+    """The spool files (a path or a list of them) of metrics MLflow has not taken, one a line."""
+    if not files:
         return None
-    return (
-        f"metrics in {location}: the tracking server was down; they are sent when a run next "
-        "starts on this storage, or by `relax send-metrics`"
+    listed = [files] if isinstance(files, str) else files
+    if not isinstance(listed, list | tuple):
+        raise TypeError(f"format_summary: mlflow_unsent must be a path or a list, got {files!r}")
+    head = (
+        "metrics kept while the tracking server was down; sent when a run next starts on this "
+        "storage, or by `relax send-metrics`:"
     )
+    return "\n".join([head, *(f"{'':16}{f}" for f in listed)])
 
 
 def _str_or_none(value: object) -> str | None:

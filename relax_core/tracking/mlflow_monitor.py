@@ -95,7 +95,8 @@ class MLflowMonitor:
         self._reopen_args: tuple[dict[str, str], dict[str, str]] | None = None
         self._others_sent = False
         self._down_since: float | None = None
-        self._spooled: str | None = None
+        self._spooled: str | None = None  # this monitor's spool file, while it exists
+        self._left: list[str] = []
         self._finished = False
 
     @property
@@ -113,9 +114,11 @@ class MLflowMonitor:
         return self._experiment_id
 
     @property
-    def unsent(self) -> str | None:
-        """Where the metrics MLflow has not accepted yet are kept (the spool file), if any."""
-        return self._spooled
+    def unsent(self) -> list[str]:
+        """The spool files holding metrics of this run MLflow has not accepted yet: this
+        monitor's own, and after a finish while the server is down, those earlier processes of
+        the run left too."""
+        return self._left or ([self._spooled] if self._spooled else [])
 
     def start(self, params: dict[str, object], tags: dict[str, str]) -> str:
         if self._run_id is not None:
@@ -302,16 +305,16 @@ class MLflowMonitor:
                 "unset, and this monitor has no spool to keep them in"
             )
         self._keep(status)
+        self._left = self.spool.files(self.run_id)
         _log.warning(
-            "MLflow tracking server at %s is still unreachable: run %s ends with %d metrics "
-            "unsent and status %s not yet set. They are kept in %s and sent (and the status "
-            "set) when a run next starts on this storage and the server answers, or by "
+            "MLflow tracking server at %s is still unreachable: run %s ends with its status "
+            "(%s) not yet set and metrics unsent, kept in %s. They are sent, and the status set, "
+            "when a run next starts on this storage while the server answers, or by "
             "`relax send-metrics %s`",
             self.tracking_uri,
             self.run_id,
-            len(self._pending),
             status,
-            self._spooled,
+            ", ".join(self._left),
             self.spool.directory,
         )
 

@@ -124,10 +124,12 @@ class MetricSpool:
                 self._store.delete(name)
         return sent
 
-    def files(self) -> list[str]:
-        """Locations of the spool files in the directory."""
-        names = self._store.list_dir("")
-        return [join(self.directory, n) for n in names if n.endswith(".json")]
+    def files(self, run_id: str = "") -> list[str]:
+        """Locations of the spool files in the directory (of `run_id`'s metrics, if given)."""
+        names = [n for n in self._store.list_dir("") if n.endswith(".json")]
+        if run_id:
+            names = [n for n in names if n.startswith(f"{run_id}.")]
+        return [join(self.directory, n) for n in names]
 
     def _read(self, name: str) -> tuple[bytes, Spooled | None]:
         """A file's bytes and content; (b"", None) if another process removed it meanwhile, and

@@ -130,8 +130,8 @@ class Outage:
     trainer: MLflowMonitor
     trainer_kept: dict
     trainer_spool: str
-    ended: MLflowMonitor
-    ended_spool: str
+    ended_run: str
+    ended_spool: list[str]
     lost_run: str
     new_run_error: Exception | None
 
@@ -139,9 +139,9 @@ class Outage:
 @pytest.fixture(scope="module")
 def outage(server: MlflowServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outage]:
     """One outage (SIGKILL, then a start on the same port and store) lived through by each kind
-    of writer a run has: a trainer that logs on, a run that ends, a trainer whose process is
-    lost and the one that resumes its run while the server is still down. The tests read what
-    each left in the run's history."""
+    of writer a run has: a trainer that logs on; a run whose steps node and finish node both run
+    while the server is down; a trainer whose process is lost and the one that resumes its run
+    while the server is still down. The tests read what each left in the run's history."""
     o = Outage()
     o.storage = tmp_path_factory.mktemp("storage")
     o.logs = Records()
@@ -151,20 +151,22 @@ def outage(server: MlflowServer, tmp_path_factory: pytest.TempPathFactory) -> It
         o.trainer = _monitor(server.uri, o.storage, run_name="trainer")
         o.trainer.start({"lr": 0.1}, tags={})
         _log(o.trainer, range(0, 4))
-        o.ended = _monitor(server.uri, o.storage, run_name="ended")
-        o.ended.start({}, tags={})
-        _log(o.ended, range(0, 2))
+        o.ended_run = _monitor(server.uri, o.storage, run_name="ended").start({}, tags={})
+        _log_node(server.uri, o.storage, o.ended_run, range(0, 2))  # start_run's eval
         lost = _monitor(server.uri, o.storage, run_name="lost")
         o.lost_run = lost.start({}, tags={})
         _log(lost, range(0, 2))
 
         server.kill()
         _log(o.trainer, range(4, 10))  # three flushes that find the server down
-        o.trainer_spool = o.trainer.unsent or ""
+        (o.trainer_spool,) = o.trainer.unsent
         o.trainer_kept = json.loads(Path(o.trainer_spool).read_text())
-        _log(o.ended, range(2, 6))
-        o.ended.finish()  # the run ends; its status waits with its metrics
-        o.ended_spool = o.ended.unsent or ""
+        _log_node(server.uri, o.storage, o.ended_run, range(2, 4))  # run_steps
+        final = _monitor(server.uri, o.storage, resume_run_id=o.ended_run)  # finish_run
+        final.start({}, tags={})
+        _log(final, range(4, 6))
+        final.finish()  # the run ends; its status waits with its metrics
+        o.ended_spool = final.unsent
         _log(lost, range(2, 6))
         del lost  # its process is gone: what it logged is only in its spool file
         o.new_run_error = None
@@ -194,7 +196,7 @@ def test_a_trainer_logs_through_an_outage_and_its_history_has_every_step_once(
 ):
     # While down, what it logged was kept in the run's storage, not only in memory.
     assert sorted({row[3] for row in outage.trainer_kept["metrics"]}) == list(range(4, 10))
-    assert outage.trainer.unsent is None and not Path(outage.trainer_spool).exists()
+    assert outage.trainer.unsent == [] and not Path(outage.trainer_spool).exists()
     assert _history(server.uri, outage.trainer.run_id) == _expected(range(12))
     assert MlflowClient(server.uri).get_run(outage.trainer.run_id).info.status == "FINISHED"
 
@@ -208,15 +210,15 @@ def test_one_warning_when_the_outage_starts_and_one_when_it_ends(outage: Outage)
     assert trainer in back and "sent the 16 metrics" in back  # steps 4..11, two keys each
 
 
-def test_a_run_that_ends_while_down_names_its_spool_and_a_later_start_sends_it(
+def test_a_run_that_ends_while_down_names_its_spools_and_a_later_start_sends_them(
     server: MlflowServer, outage: Outage
 ):
+    assert len(outage.ended_spool) == 2  # the steps node's file and the finish node's
     (said,) = outage.logs.having("still unreachable")
-    assert outage.ended_spool and outage.ended_spool in said and "FINISHED" in said
-    assert not Path(outage.ended_spool).exists()  # sent, then removed
-    run = MlflowClient(server.uri).get_run(outage.ended.run_id)
-    assert run.info.status == "FINISHED"
-    assert _history(server.uri, outage.ended.run_id) == _expected(range(6))
+    assert all(f in said for f in outage.ended_spool) and "FINISHED" in said
+    assert not any(Path(f).exists() for f in outage.ended_spool)  # sent, then removed
+    assert MlflowClient(server.uri).get_run(outage.ended_run).info.status == "FINISHED"
+    assert _history(server.uri, outage.ended_run) == _expected(range(6))
 
 
 def test_a_lost_trainers_metrics_reach_its_resumed_run_once(server: MlflowServer, outage: Outage):
@@ -237,9 +239,9 @@ def test_a_refusal_is_not_an_outage(server: MlflowServer, outage: Outage, tmp_pa
 
 
 def test_relax_send_metrics_sends_what_runs_left_for_its_tracking_uri(
-    tmp_path: Path, capsys: pytest.CaptureFixture
+    server: MlflowServer, outage: Outage, tmp_path: Path, capsys: pytest.CaptureFixture
 ):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # any store works; no server needed here
+    uri = server.uri  # up again after the outage
     run_id = MLflowMonitor(uri, EXPERIMENT).start({}, tags={})
     storage = tmp_path / "storage"
     metrics = [Metric(k, v, 1764000000000 + s, s) for s in range(3) for k, v in _point(s).items()]
@@ -260,6 +262,14 @@ def _point(step: int) -> dict[str, float]:
 def _monitor(uri: str, storage: Path, **kwargs) -> MLflowMonitor:
     spool = MetricSpool(spool_dir_of(str(storage)))
     return MLflowMonitor(uri, EXPERIMENT, flush_every=2, spool=spool, request_timeout_s=2, **kwargs)
+
+
+def _log_node(uri: str, storage: Path, run_id: str, steps: range) -> None:
+    """A node of the run (its own process) that logs `steps` and ends without finishing."""
+    node = _monitor(uri, storage, resume_run_id=run_id)
+    node.start({}, tags={})
+    _log(node, steps)
+    node.flush()
 
 
 def _log(monitor: MLflowMonitor, steps: range) -> None:

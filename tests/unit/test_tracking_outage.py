@@ -77,9 +77,10 @@ def test_a_spool_file_gives_back_exactly_what_was_logged():
 
 
 def test_the_summary_says_where_unsent_metrics_are():
-    text = format_summary({"mlflow_run_id": "abc", "mlflow_unsent": "s3://b/r/mlflow-spool/a.json"})
-    assert "s3://b/r/mlflow-spool/a.json" in text and "relax send-metrics" in text
-    assert "unsent" not in format_summary({"mlflow_run_id": "abc", "mlflow_unsent": None})
+    files = ["s3://b/r/mlflow-spool/abc.1.json", "s3://b/r/mlflow-spool/abc.2.json"]
+    text = format_summary({"mlflow_run_id": "abc", "mlflow_unsent": files})
+    assert all(f in text for f in files) and "relax send-metrics" in text
+    assert "unsent" not in format_summary({"mlflow_run_id": "abc", "mlflow_unsent": []})
 
 
 @pytest.mark.parametrize(
