@@ -31,11 +31,13 @@ class Monitor(Protocol):
         ...
 
     def flush(self) -> None:
-        """Send everything buffered so far."""
+        """Send everything buffered so far (what the backend cannot take now is kept and sent
+        at a later flush)."""
         ...
 
     def finish(self, status: str = "FINISHED") -> None:
-        """Flush and close the run with `status` (FINISHED, FAILED or KILLED)."""
+        """Flush and close the run with `status` (FINISHED, FAILED or KILLED); if the backend
+        is down, say where what it did not take is kept."""
         ...
 
 
