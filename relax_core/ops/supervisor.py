@@ -126,8 +126,9 @@ class Supervisor:
         write_json(join(self.run_dir, "placement.json"), rows, self.options)
 
     def _newest_checkpoint(self) -> str:
-        found = ckpt.list_checkpoints(self.run_dir, self.options)
-        self._newest_seen = found[-1] if found else self.checkpoint
+        fallback = self.cfg.checkpoint.fallback_to_previous
+        found = ckpt.resume_checkpoint(self.run_dir, self.options, fallback)
+        self._newest_seen = found or self.checkpoint
         return self._newest_seen
 
     def _preempt(self) -> preemption.Preempted:

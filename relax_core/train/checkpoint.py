@@ -27,6 +27,7 @@ import torch
 
 from relax_core.queue.store import ObjectStore
 from relax_core.storage import (
+    is_committed,
     is_disk_full,
     is_local,
     join,
@@ -218,6 +219,8 @@ def newest_complete(
         problem = verify_checkpoint(checkpoint, options)
         if not problem:
             return checkpoint
+        if not is_committed(checkpoint, STATE_FILE, options):
+            continue  # pruned since it was listed (a trainer writes on): gone, not corrupt
         if not fallback:
             rest = newest_first[i + 1 :]
             previous = next((c for c in rest if not verify_checkpoint(c, options)), None)

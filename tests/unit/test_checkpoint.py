@@ -13,12 +13,16 @@ import os
 import pytest
 import torch
 
+from relax_core.config import load_config
+from relax_core.ops.supervisor import Supervisor
+from relax_core.storage import remove_dir
 from relax_core.train.checkpoint import (
     CorruptCheckpoint,
     decode_rng,
     encode_rng,
     find_resume_checkpoint,
     list_checkpoints,
+    newest_complete,
     previous_complete,
     read_state,
     resume_checkpoint,
@@ -155,6 +159,14 @@ def test_a_file_truncated_after_a_checkpoint_verified_is_still_found(tmp_path):
     assert "found 999" in verify_checkpoint(new)
 
 
+def test_a_checkpoint_pruned_after_it_was_listed_is_passed_over_not_refused(tmp_path):
+    # A supervisor lists the run's checkpoints while its trainer writes and prunes them.
+    _, old, new = _two_checkpoints(tmp_path)
+    listed = list_checkpoints(os.path.dirname(new))[::-1]
+    remove_dir(new, "state.json")
+    assert newest_complete(listed) == old
+
+
 def test_a_step_dir_without_state_json_is_no_checkpoint_and_naming_it_says_what_is_missing(
     tmp_path,
 ):
@@ -235,3 +247,21 @@ def test_a_full_disk_names_the_checkpoint_the_dir_and_the_newest_complete_one(tm
     assert f"the newest complete checkpoint is {new}" in text
     assert sorted(os.listdir(run)) == ["step_000002", "step_000004"]  # no staging left
     assert verify_checkpoint(new) == ""
+
+
+def test_the_local_supervisor_restarts_roles_from_the_newest_checkpoint_that_verifies(
+    small_config, workdir
+):
+    def supervisor(fallback: bool) -> Supervisor:
+        checkpoint = {"dir": str(workdir / "ckpt"), "fallback_to_previous": fallback}
+        return Supervisor(load_config(small_config(checkpoint=checkpoint)), old)
+
+    run = str(workdir / "ckpt" / "t-20260101-000000-aaaa")
+    state = {"run_id": "t-20260101-000000-aaaa"}
+    old = save_checkpoint(run, 2, _write_model, {**state, "policy_version": 2}, keep=5)
+    new = save_checkpoint(run, 4, _write_model, {**state, "policy_version": 4}, keep=5)
+    assert supervisor(fallback=False)._newest_checkpoint() == new
+    os.unlink(os.path.join(new, "model.safetensors"))
+    with pytest.raises(CorruptCheckpoint, match=f"{new}/model.safetensors is missing"):
+        supervisor(fallback=False)._newest_checkpoint()
+    assert supervisor(fallback=True)._newest_checkpoint() == old
