@@ -238,7 +238,10 @@ def _kill_on_plan(proc: subprocess.Popen, workdir, plan: list[tuple[str, int]]) 
 
 
 def test_killed_roles_restart_in_place_and_no_group_is_lost_or_trained_twice(small_config, workdir):
+    from relax_core.config import load_config
+    from relax_core.data import PromptSampler, load_prompts
     from relax_core.queue.audit import audit_run
+    from relax_core.queue.coverage import read_prompt_coverage
 
     cfg = small_config(
         "k.yaml",
@@ -271,6 +274,15 @@ def test_killed_roles_restart_in_place_and_no_group_is_lost_or_trained_twice(sma
     audit = audit_run(queue, state)
     assert audit["lost_groups"] == 0 and audit["duplicated_groups"] == 0, audit
     assert audit["trained_groups"] == 120 * 4 and audit["trained_but_never_generated"] == 0
+    # From the dataset and the queue alone (not the trained records, not the cursor), no prompt
+    # of the stream was trained twice or out of it. The missing ones are the stream positions no
+    # block issued: a redone block takes fresh tickets, and the next fresh block starts at its
+    # ticket, skipping as many positions as the redo held (queue/admission.py).
+    sampler = PromptSampler(len(load_prompts(load_config(cfg).data.train_path)), seed=0)
+    coverage = read_prompt_coverage(queue, sampler.num_prompts, sampler.order)
+    assert coverage["trained_twice"] == coverage["out_of_stream"] == 0, coverage
+    assert coverage["missing"] == coverage["never_issued"], coverage
+    assert coverage["trained_once"] == 120 * 4 and coverage["trained_steps"] == 120, coverage
 
 
 def test_a_silent_or_failing_role_is_recovered_until_the_budget_is_spent(
