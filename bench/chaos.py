@@ -5,9 +5,9 @@ The runs are audited from the queue and the dataset, not from the trainer's own 
 Per seed of `--seeds`, two runs of `configs/cpu-async.yaml` with that seed for `--steps` steps
 (checkpoints every 20), one after the other on this machine, each a whole local run in a child
 process (`python -m` of `bench.common.LAUNCHER`: the local supervisor restarts what dies), from
-the seed's cached warm-started policy: calm, then chaos. Once every victim role is up in the
-chaos run, one is killed every `--every` seconds (+-30%): the trainer first, then a role drawn
-from trainer, rollout and advantages with a generator seeded by the seed. No role is killed more
+the seed's cached warm-started policy: calm, then chaos. In the chaos run the trainer is killed
+at step 25 (after its first checkpoint), then a role drawn from trainer, rollout and advantages
+with a generator seeded by the seed every `--every` seconds (+-30%). No role is killed more
 than `services.max_role_restarts` times (3 by default, counted within `restart_window_s`, 30 min,
 longer than a run), so every restart is one in place and the run never spends its budget; the
 CPU default's 100 steps last about a minute calm, and a kill every ~15 s gives each chaos run 4-6
@@ -63,33 +63,39 @@ def _config(work: str, name: str, steps: int, seed: int):
     )
 
 
-def _live_roles(work: str) -> dict[str, int]:
-    """role -> pid of the newest heartbeat of each live service of the run."""
+def _live_roles(work: str) -> tuple[dict[str, int], int]:
+    """(role -> pid of the newest heartbeat of each live service of the run, the policy version
+    the trainer's heartbeat reports)."""
     from relax_core.queue import TransferQueue
 
     root = os.path.join(work, "queue")
     found: dict[str, int] = {}
+    version = 0
     for run_id in os.listdir(root) if os.path.isdir(root) else []:
         for beat in TransferQueue(root, run_id).heartbeats():
             if beat["info"].get("state") not in ("stopped", "starting"):
                 found[beat["role"]] = int(beat["info"]["pid"])
-    return found
+            if beat["role"] == "trainer":
+                version = max(version, int(beat["info"].get("policy_version") or 0))
+    return found, version
 
 
 def _chaos(
-    proc: subprocess.Popen, work: str, every: float, rng: random.Random, per_role: int
+    proc: subprocess.Popen, work: str, every: float, rng: random.Random, per_role: int, first: int
 ) -> list[dict]:
-    """Kill a live victim every `every` s (+-30%) from the moment all of them are up: the
-    trainer first, then a seeded random one, none more than `per_role` times."""
+    """Kill the trainer once its heartbeat reports version `first`, then a live victim drawn
+    at random every `every` s (+-30%), none more than `per_role` times."""
     kills: list[dict] = []
     dead: set[int] = set()  # a killed pid whose heartbeat is still the newest (not reaped yet)
     next_at = None
     while proc.poll() is None:
         time.sleep(0.2)
-        live = {r: pid for r, pid in _live_roles(work).items() if pid not in dead}
+        roles, version = _live_roles(work)
+        live = {r: pid for r, pid in roles.items() if pid not in dead}
         if next_at is None:
-            if all(r in live for r in VICTIMS):
-                next_at = time.monotonic() + every * rng.uniform(0.7, 1.3)
+            # By version, not by seconds: a fast run would otherwise end before the first kill.
+            if "trainer" in live and version >= first:
+                next_at = time.monotonic()
             continue
         if time.monotonic() < next_at:
             continue
@@ -134,7 +140,10 @@ def _run(cfg, work: str, every: float | None, rng: random.Random) -> dict:
     path = write_config(cfg, os.path.join(work, f"{name}.json"))
     proc = start_local_run(path, os.path.join(work, f"{name}.log"))
     per_role = cfg.services.max_role_restarts
-    kills = _chaos(proc, work, every, rng, per_role) if every else []
+    # The trainer's first kill comes after its first checkpoint (every 20 steps): it costs the
+    # steps since then.
+    first = min(25, cfg.train.total_steps // 2)
+    kills = _chaos(proc, work, every, rng, per_role, first) if every else []
     if proc.wait() != 0:
         sys.exit(f"{name} run failed; see {os.path.join(work, name + '.log')}")
     summary, run_dir = _result(work, name)
