@@ -88,6 +88,8 @@ class S3Server:
     """File that holds the server's stdout and stderr."""
     region: str = REGION
     """Region name given to clients (SeaweedFS ignores it; moto records it on buckets)."""
+    command: list[str] = field(default_factory=list, repr=False)
+    """How the server was started (what `restart` runs again: same ports, same data)."""
     _cleanups: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def storage_options(self) -> dict[str, Any]:
@@ -116,6 +118,30 @@ class S3Server:
     def log_tail(self) -> str:
         """The last few KB of the server's log, for error messages."""
         return log_tail(self.log_path)
+
+    def crash(self) -> None:
+        """SIGKILL the server's process group, as a crashed or rebooted storage host."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(STOP_TIMEOUT_S)
+
+    def restart(self) -> None:
+        """Start the stopped server again on its ports and data; returns once the bucket
+        lists (a server on another host, `command_prefix`, is not supported)."""
+        if self.process.poll() is None:
+            raise RuntimeError(f"{self.name} at {self.endpoint_url} is still running")
+        env = dict(os.environ, AWS_ACCESS_KEY_ID=self.key, AWS_SECRET_ACCESS_KEY=self.secret)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        fs = self.filesystem(config_kwargs=_PROBE_CONFIG)
+        _wait_ready(self, lambda: _bucket_lists(fs, self.bucket))
 
     def stop(self) -> None:
         """End the server's process group; idempotent. Data under its directory is kept."""
@@ -302,7 +328,9 @@ def _spawn(
         for cleanup in cleanups:
             cleanup()
         raise
-    return S3Server(name, endpoint, key, secret, bucket, process, log_path, _cleanups=cleanups)
+    return S3Server(
+        name, endpoint, key, secret, bucket, process, log_path, command=cmd, _cleanups=cleanups
+    )
 
 
 def _wait_ready(server: S3Server, ready: Callable[[], bool]) -> None:

@@ -5,6 +5,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+_S3_CLIENT = {
+    # One quick retry in botocore: the store's own retries (queue/retry.py) wait out an outage
+    # and say so, where botocore's retries under s3fs's would hold one call silent for long,
+    # and a connection that is never answered takes 5 s to fail, not the 60 s default.
+    "config_kwargs": {"retries": {"mode": "standard", "max_attempts": 2}, "connect_timeout": 5},
+}
+
+
+def s3_options(root: str, endpoint_url: str) -> dict:
+    """s3fs options for `root` (an S3 endpoint other than AWS when `endpoint_url` is set)."""
+    if not root.startswith("s3://") and not endpoint_url:
+        return {}
+    options: dict = {**_S3_CLIENT}
+    if endpoint_url:
+        options["client_kwargs"] = {"endpoint_url": endpoint_url}
+    return options
+
 
 @dataclass(frozen=True)
 class StorageConfig:
@@ -27,9 +44,7 @@ class StorageConfig:
 
     def options(self) -> dict:
         """fsspec options for URLs under `root`."""
-        if self.endpoint_url:
-            return {"client_kwargs": {"endpoint_url": self.endpoint_url}}
-        return {}
+        return s3_options(self.root, self.endpoint_url)
 
 
 @dataclass(frozen=True)
@@ -54,9 +69,7 @@ class QueueConfig:
 
     def storage_options(self) -> dict:
         """fsspec options for `root`."""
-        if self.endpoint_url:
-            return {"client_kwargs": {"endpoint_url": self.endpoint_url}}
-        return {}
+        return s3_options(self.root, self.endpoint_url)
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,23 @@ def log_tail(path: str) -> str:
         return "(no log)"
 
 
+def give_up_message(
+    run_id: str, global_restarts: int, rp: RoleProcess, what: str, events: list[dict]
+) -> str:
+    """What a supervisor that gave up says: every failure and what was done, and the log of
+    the role that failed last (the trainer's is on the console already)."""
+    lines = [
+        f"async run {run_id}: gave up after {global_restarts} whole-run restart(s): "
+        f"{rp.name} {what} and has no restarts left; failures:"
+    ]
+    lines += [f"  {e['role']} (pid {e['pid']}): {e['failure']} -> {e['action']}" for e in events]
+    if rp.role == "trainer":
+        lines.append("the trainer's output is above")
+    else:
+        lines.append(f"last lines of {rp.log_path}:\n{log_tail(rp.log_path)}")
+    return "\n".join(lines)
+
+
 def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))

@@ -47,7 +47,7 @@ from relax_core.ops.notify import Notifier
 from relax_core.ops.placement import Slot, describe, env_for, plan, visible_devices
 from relax_core.ops.processes import (
     RoleProcess,
-    log_tail,
+    give_up_message,
     role_launcher,
     roles_of,
     send_signal,
@@ -102,6 +102,7 @@ class Supervisor:
         """Each model-holding process's GPUs ([] on a CPU run)."""
         self._newest_seen = self.checkpoint
         """The newest checkpoint of the run this supervisor has listed (for messages)."""
+        self._storage_back = 0.0  # when the last slow read of the heartbeats ended
 
     def _prepare(self) -> str:
         """Fresh control state for this launch; returns the config file the roles read."""
@@ -132,29 +133,16 @@ class Supervisor:
         return self._newest_seen
 
     def _preempt(self) -> preemption.Preempted:
-        """SIGTERM reached this process (its pod or machine is going away): the trainer gets it
-        first and checkpoints at the end of its step, within services.preemption_grace_s,
-        while every other role still serves it; the caller's cleanup then stops the rest."""
+        """On SIGTERM (the pod is going away) the trainer checkpoints its step first, within
+        services.preemption_grace_s, served by the other roles; the caller then stops them."""
         grace = self.cfg.services.preemption_grace_s
         trainer = self.live.get("trainer-0")
         if trainer is not None and not self._reap(trainer):
             log.warning("SIGTERM: the trainer checkpoints at the end of its step (%.0f s)", grace)
-            send_signal(trainer, signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            while not self._reap(trainer):
-                if time.monotonic() > deadline:
-                    log.error(
-                        "the trainer wrote no checkpoint within services.preemption_grace_s "
-                        "= %.0f s; the run resumes from its newest one",
-                        grace,
-                    )
-                    self._kill(trainer)
-                    break
-                time.sleep(0.05)
+            if self._terminate(grace, [trainer]):
+                log.error("no checkpoint within services.preemption_grace_s = %.0f s", grace)
         newest = self._newest_checkpoint()
-        return preemption.Preempted(
-            newest, int(ckpt.read_state(newest, self.options)["policy_version"])
-        )
+        return preemption.Preempted(newest, ckpt.read_state(newest, self.options)["policy_version"])
 
     def _start(self, role: str, worker: int) -> RoleProcess:
         name = f"{role}-{worker}"
@@ -195,18 +183,23 @@ class Supervisor:
         send_signal(rp, signal.SIGKILL)
         self._reap(rp, block=True)
 
-    def _terminate(self, grace_s: float) -> None:
+    def _terminate(self, grace_s: float, procs: list[RoleProcess] | None = None) -> bool:
+        """SIGTERM the live processes (or `procs`), SIGKILL what is left after `grace_s`;
+        whether any had to be killed."""
         deadline = time.monotonic() + grace_s
-        live = list(self.live.values())
+        live = list(self.live.values()) if procs is None else procs
         for rp in live:
             if not self._reap(rp):
                 send_signal(rp, signal.SIGTERM)
+        killed = False
         for rp in live:
             while not self._reap(rp):
                 if time.monotonic() > deadline:
                     self._kill(rp)
+                    killed = True
                     break
                 time.sleep(0.05)
+        return killed
 
     def _write_accounting(self) -> None:
         keep = [f.name for f in fields(RoleProcess) if f.name != "proc"]
@@ -302,7 +295,7 @@ class Supervisor:
         """Seconds since `rp`'s own last heartbeat, if that is longer than the timeout."""
         timeout = self.cfg.services.heartbeat_timeout_s
         # While storage was down no heartbeat could be written: silence counts from its return.
-        since_outage = time.time() - last_outage_ended()
+        since_outage = time.time() - max(last_outage_ended(), self._storage_back)
         age = min(time.perf_counter() - rp.started, since_outage)
         beat = beats.get(rp.name)
         if beat is None or beat.get("info", {}).get("pid") != rp.pid:
@@ -361,28 +354,17 @@ class Supervisor:
         event["action"] = "gave up"
         self.queue.stop()
         self._terminate(10.0)
-        message = self._give_up_message(rp, what)
+        message = give_up_message(self.run_id, self.global_restarts, rp, what, self.events)
         self.notifier.send("run gave up", message, "failure")
         raise GaveUp(message)
-
-    def _give_up_message(self, rp: RoleProcess, what: str) -> str:
-        lines = [
-            f"async run {self.run_id}: gave up after {self.global_restarts} whole-run restart(s): "
-            f"{rp.name} {what} and has no restarts left; failures:"
-        ]
-        lines += [
-            f"  {e['role']} (pid {e['pid']}): {e['failure']} -> {e['action']}" for e in self.events
-        ]
-        if rp.role == "trainer":
-            lines.append("the trainer's output is above")
-        else:
-            lines.append(f"last lines of {rp.log_path}:\n{log_tail(rp.log_path)}")
-        return "\n".join(lines)
 
     def _watch(self) -> None:
         trainer_done_at: float | None = None
         while True:
+            asked = time.time()
             beats = {f"{b['role']}-{b['worker_id']}": b for b in self.queue.heartbeats()}
+            if time.time() - asked > max(1.0, 2 * self.cfg.services.heartbeat_s):
+                self._storage_back = time.time()  # a slow read: beats may not have got through
             for rp, what in self._failures(beats):
                 if rp.exit_code == StorageUnavailable.exit_code:
                     raise StorageUnavailable(

@@ -27,6 +27,8 @@ log = logging.getLogger("relax_core.queue.store")
 
 DEFAULT_OUTAGE_LIMIT_S = 600.0
 _outage_limit_s = DEFAULT_OUTAGE_LIMIT_S
+OUTAGE_NOTICE_S = 2.0
+"""A fault that lasts this long is an outage (said in the log, and its end kept), not a blip."""
 OUTAGE_LOG_EVERY_S = 10.0
 """While a store waits out an outage, it says so in the log this often."""
 
@@ -135,7 +137,6 @@ def brief(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[:200]}" if text else type(err).__name__
 
 
-
 def raise_unless_transient(err: Exception, what: str, url: str) -> None:
     """Re-raise what no retry can fix: a lost create race as it is, setup errors as a
     StorageError naming `url` and the fix; return for a transient fault."""
@@ -153,4 +154,3 @@ def raise_unless_transient(err: Exception, what: str, url: str) -> None:
         ) from err
     if not is_transient(err):
         raise err
-

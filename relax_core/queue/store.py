@@ -23,7 +23,13 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from relax_core.queue.errors import StorageError, StorageUnavailable, is_precondition_failed
-from relax_core.queue.retry import OUTAGES, RetryPolicy, brief, raise_unless_transient
+from relax_core.queue.retry import (
+    OUTAGE_NOTICE_S,
+    OUTAGES,
+    RetryPolicy,
+    brief,
+    raise_unless_transient,
+)
 
 _TMP_PREFIX = ".tmp-"
 T = TypeVar("T")
@@ -81,21 +87,18 @@ class ObjectStore:
                     raise_unless_transient(err, what, self.url(path))
                     now = time.monotonic()
                     first_failure = first_failure or now
-                    if attempt + 1 < attempts:
-                        self.retries_used += 1
-                        time.sleep(self.retry.delay(attempt))
-                        continue
-                    limit = self.retry.limit_s()
-                    if now - first_failure >= limit:
-                        raise self._unavailable(
-                            what, path, attempt + 1, now - first_failure, err
-                        ) from err
-                    if not waiting:
-                        OUTAGES.join(self._root_key())
-                        waiting = True
-                    OUTAGES.waiting(self._root_key(), first_failure, what, limit, err)
+                    down, limit = now - first_failure, self.retry.limit_s()
+                    quick = attempt + 1 < attempts
+                    if not quick and down >= limit:
+                        raise self._unavailable(what, path, attempt + 1, down, err) from err
+                    if not quick or down >= OUTAGE_NOTICE_S:  # no blip: an outage, said so
+                        if not waiting:
+                            OUTAGES.join(self._root_key())
+                            waiting = True
+                        OUTAGES.waiting(self._root_key(), first_failure, what, limit, err)
                     self.retries_used += 1
-                    time.sleep(min(self.retry.outage_poll_s, limit - (now - first_failure)))
+                    pause = self.retry.delay(attempt) if quick else self.retry.outage_poll_s
+                    time.sleep(min(pause, max(limit - down, 0.0)) if not quick else pause)
                     continue
                 if waiting:
                     OUTAGES.leave(self._root_key(), recovered=True)
