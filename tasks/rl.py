@@ -135,7 +135,8 @@ def rl_steps(cfg_json: str, checkpoint: str) -> str:
     from relax_core.run import lifecycle
 
     cfg = _cfg(cfg_json)
-    start = lifecycle.newest_checkpoint(checkpoint, cfg.storage.options())
+    fallback = cfg.checkpoint.fallback_to_previous
+    start = lifecycle.newest_checkpoint(checkpoint, cfg.storage.options(), fallback)
     return lifecycle.run_steps(cfg, start, cfg.train.steps_per_node)
 
 
@@ -152,7 +153,10 @@ def async_local(cfg_json: str, checkpoint: str) -> str:
     from relax_core.run import lifecycle
 
     cfg = _cfg(cfg_json)
-    return run_async_local(cfg, lifecycle.newest_checkpoint(checkpoint, cfg.storage.options()))
+    fallback = cfg.checkpoint.fallback_to_previous
+    return run_async_local(
+        cfg, lifecycle.newest_checkpoint(checkpoint, cfg.storage.options(), fallback)
+    )
 
 
 def _serve(role: str, cfg_json: str, checkpoint: str, worker: int = 0) -> None:
@@ -190,9 +194,10 @@ def trainer_service(cfg_json: str, checkpoint: str) -> str:
     from relax_core.run import lifecycle
     from relax_core.train.checkpoint import list_checkpoints
 
-    options = _cfg(cfg_json).storage.options()
-    start = lifecycle.newest_checkpoint(checkpoint, options)
-    if _cfg(cfg_json).services.trainer_gpus > 1:
+    cfg = _cfg(cfg_json)
+    options = cfg.storage.options()
+    start = lifecycle.newest_checkpoint(checkpoint, options, cfg.checkpoint.fallback_to_previous)
+    if cfg.services.trainer_gpus > 1:
         _serve_ranks(cfg_json, start)
     else:
         _serve("trainer", cfg_json, start)
