@@ -133,6 +133,8 @@ class AdmissionLedger:
     def __init__(self, queue: TransferQueue) -> None:
         self.queue = queue
         self._void_counts: dict[str, int] = {}
+        self.stream_first = 0
+        """The first stream position of the block this ledger admitted last (`try_admit`)."""
 
     def _last(self) -> tuple[int, dict] | None:
         names = [n for n in self.queue.store.list_dir("tickets") if parse_seq(n) is not None]
@@ -156,12 +158,18 @@ class AdmissionLedger:
     ) -> tuple[int, int]:
         """Admit up to `want` groups now: (first ticket, count); count 0 means wait.
 
-        The block's prompts are stream positions `stream_first`.. (default: its tickets), so a
-        block that replaces a voided one generates the very prompts the voided one held."""
+        The block's prompts are stream positions `stream_first`.. when given (a block that
+        replaces a voided one generates the very prompts the voided one held), else the next
+        fresh ones: every record keeps `stream_next`, which a replacement block does not
+        advance, so the stream neither skips nor repeats positions across restarts. The
+        positions of the block admitted last are in `self.stream_first`."""
         if want < 1:
             raise ValueError(f"want must be >= 1, got {want}")
         while True:
-            started = self.started()
+            last = self._last()
+            started = 0 if last is None else last[0] + int(last[1]["count"])
+            # Records from before `stream_next` existed: every block was fresh, at its tickets.
+            fresh = 0 if last is None else int(last[1].get("stream_next", started))
             # Voided blocks were never generated; their prompts went into new blocks, which
             # count instead (else each restart would shrink the bound for good). Dropped groups
             # (dynamic sampling) make room for the new prompts drawn to replace them.
@@ -169,17 +177,19 @@ class AdmissionLedger:
             count = min(want, admissible(live, policy_version, max_staleness, groups_per_step))
             if count == 0:
                 return started, 0
+            first_position = fresh if stream_first is None else stream_first
             body = {
                 "count": count,
                 "policy_version": policy_version,
                 "worker": worker,
                 "time": time.time(),
+                "stream_first": first_position,
+                "stream_next": fresh + count if stream_first is None else fresh,
             }
-            if stream_first is not None:
-                body["stream_first"] = stream_first
             if self.queue.store.create_if_absent(
                 f"tickets/{seq_name(started)}", json.dumps(body).encode()
             ):
+                self.stream_first = first_position
                 return started, count
 
     def record_dropped(

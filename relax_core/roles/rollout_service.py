@@ -131,7 +131,7 @@ def serve(ctx) -> None:
             if wait_start is not None:
                 waited += time.perf_counter() - wait_start
                 wait_start = None
-            stream = first if stream_first is None else stream_first
+            stream = ledger.stream_first
             if redo:
                 redo[0] = (redo[0][0] + count, redo[0][1] - count)
                 if redo[0][1] == 0:

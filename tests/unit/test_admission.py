@@ -168,3 +168,14 @@ def test_a_restarted_worker_voids_its_uncommitted_blocks_and_regenerates_their_p
     assert (first, count) == (8, 3)
     assert ledger.blocks()[8]["stream_first"] == 3
     assert ledger.try_admit(1, 0, 1, 4, worker="w0") == (11, 0)  # 8 live groups: the bound again
+    # The next fresh block takes the next fresh prompts, 8..: the redo took tickets 8..10 but
+    # no new stream positions, so the stream neither skips 8..10 nor repeats 3..5.
+    assert ledger.try_admit(4, 1, 1, 4, worker="w1") == (11, 4)
+    assert ledger.stream_first == 8
+    issued = sorted(
+        p
+        for first, body in ledger.blocks().items()
+        if first not in ledger.voided()
+        for p in range(body["stream_first"], body["stream_first"] + body["count"])
+    )
+    assert issued == list(range(12))
