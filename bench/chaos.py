@@ -10,15 +10,15 @@ at step 25 (after its first checkpoint), then a role drawn from trainer, rollout
 with a generator seeded by the seed every `--every` seconds (+-30%). No role is killed more
 than `services.max_role_restarts` times (3 by default, counted within `restart_window_s`, 30 min,
 longer than a run), so every restart is one in place and the run never spends its budget; the
-CPU default's 100 steps last about a minute calm, and a kill every ~15 s gives each chaos run 4-6
-kills (each restart costs ~5-15 s), the trainer's included.
+CPU default's 100 steps last about 25 s calm on a quiet machine, and a kill every ~6 s gives
+each chaos run 4-5 kills (each restart costs ~5 s), the trainer's included.
 
 Two audits of every run: the groups (`audit_run`: every group rollout committed trained once or
 still queued) and the prompts (`read_prompt_coverage`: every prompt of the dataset stream up to
 the run's end trained once per epoch or still queued, from the tickets, the dataset's order, the
 rows and the trainer's write-once step log; neither `control/trained` nor the checkpoint).
 
-    python bench/chaos.py [--seeds 0,1,2] [--steps 100] [--every 15]
+    python bench/chaos.py [--seeds 0,1,2] [--steps 100] [--every 6]
 
 Prints a table per run (final held-out accuracy, training wall time, kills, restarts, both
 audits), chaos minus calm accuracy per seed, and last `headline: lost_or_duplicated = N` (rows:
@@ -174,7 +174,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated run and kill seeds")
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--every", type=float, default=15.0, help="seconds between kills")
+    parser.add_argument("--every", type=float, default=6.0, help="seconds between kills")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
 
