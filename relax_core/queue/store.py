@@ -10,6 +10,7 @@ OSError carrying HTTP 412 depending on the client.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
 import posixpath
@@ -347,9 +348,16 @@ class ObjectStore:
                 view = view[os.write(fd, view) :]
             if fsync and self.durable:
                 os.fsync(fd)
-        except BaseException:
+        except BaseException as err:
             os.close(fd)
             os.unlink(tmp)
+            if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise OSError(
+                    err.errno,
+                    f"no space left on device writing {full} (nothing of it was kept): free "
+                    "space on that disk, or move the run's storage (queue.root, storage.root) "
+                    "elsewhere, and resume with checkpoint.resume: true",
+                ) from err
             raise
         os.close(fd)
         return tmp

@@ -142,6 +142,17 @@ def test_a_full_disk_fails_the_run_naming_the_place_and_a_resume_after_freeing_s
     assert all(verify_checkpoint(c) == "" for c in list_checkpoints(run_dir))
 
 
+def test_a_queue_write_on_a_full_disk_names_the_place_and_leaves_nothing(small_disk):
+    from relax_core.queue.store import ObjectStore
+
+    disk, _ = small_disk
+    store = ObjectStore(disk)
+    store.write_immutable("small", b"x" * 1000)
+    with pytest.raises(OSError, match=r"no space left on device writing .*/disk/big .*queue.root"):
+        store.write_immutable("big", b"x" * 400_000)
+    assert sorted(os.listdir(disk)) == ["small"]  # no temp file, no partial entry
+
+
 def test_torch_save_filling_the_disk_is_told_apart_from_other_errors(small_disk):
     # torch.save reports a full disk without errno ("unexpected pos ..."); the free space says it.
     disk, _ = small_disk
