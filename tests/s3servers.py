@@ -121,9 +121,7 @@ class S3Server:
 
     def crash(self) -> None:
         """SIGKILL the server's process group, as a crashed or rebooted storage host."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(STOP_TIMEOUT_S)
+        kill_group(self.process)
 
     def restart(self) -> None:
         """Start the stopped server again on its ports and data; returns once the bucket
@@ -131,15 +129,7 @@ class S3Server:
         if self.process.poll() is None:
             raise RuntimeError(f"{self.name} at {self.endpoint_url} is still running")
         env = dict(os.environ, AWS_ACCESS_KEY_ID=self.key, AWS_SECRET_ACCESS_KEY=self.secret)
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                self.command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
+        self.process = spawn_logged(self.command, self.log_path, env)
         fs = self.filesystem(config_kwargs=_PROBE_CONFIG)
         _wait_ready(self, lambda: _bucket_lists(fs, self.bucket))
 
@@ -391,6 +381,35 @@ def _bucket_lists_under(prefix: Sequence[str], server: S3Server, bucket: str) ->
     except subprocess.TimeoutExpired:
         return False
     return done.returncode == 0
+
+
+def spawn_logged(cmd: Sequence[str], log_path: str | os.PathLike, env: dict) -> subprocess.Popen:
+    """`cmd` leading its own process group, its output appended to `log_path`."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            list(cmd),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+
+def kill_group(process: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> None:
+    """SIGKILL the process group led by `process` at once, as when its host is lost."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout)
+
+
+def http_ok(url: str) -> bool:
+    """Whether `url` answers 200 (a server's health endpoint)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
 
 
 def stop_group(process: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> None:

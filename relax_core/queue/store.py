@@ -98,8 +98,10 @@ class ObjectStore:
                             waiting = True
                         OUTAGES.waiting(self._root_key(), first_failure, what, limit, err)
                     self.retries_used += 1
-                    pause = self.retry.delay(attempt) if quick else self.retry.outage_poll_s
-                    time.sleep(min(pause, max(limit - down, 0.0)) if not quick else pause)
+                    if quick:
+                        time.sleep(self.retry.delay(attempt))
+                    else:
+                        time.sleep(min(self.retry.outage_poll_s, max(limit - down, 0.0)))
                     continue
                 if waiting:
                     OUTAGES.leave(self._root_key(), recovered=True)

@@ -49,11 +49,6 @@ def requested() -> bool:
     return _requested.is_set()
 
 
-def request() -> None:
-    """What SIGTERM does inside `checkpoint_on_sigterm` (and what tests call)."""
-    _requested.set()
-
-
 @contextlib.contextmanager
 def checkpoint_on_sigterm() -> Iterator[None]:
     """Within: SIGTERM sets the flag instead of ending the process. On the main thread only

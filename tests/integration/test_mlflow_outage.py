@@ -5,16 +5,12 @@ kill it with SIGKILL (its pod is gone), keep logging through MLflowMonitor, star
 same port and store, and read every metric's history back over HTTP.
 """
 
-import contextlib
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +24,7 @@ from mlflow.tracking import MlflowClient
 from relax_core.entrypoints.cli import main
 from relax_core.tracking.mlflow_monitor import MLflowMonitor
 from relax_core.tracking.spool import MetricSpool, Spooled, spool_dir_of
-from tests.s3servers import free_ports, log_tail, stop_group
+from tests.s3servers import free_ports, http_ok, kill_group, log_tail, spawn_logged, stop_group
 
 pytestmark = [pytest.mark.integration]
 
@@ -57,17 +53,9 @@ class MlflowServer:
 
     def start(self) -> None:
         env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                self.command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
+        self.process = spawn_logged(self.command, self.log_path, env)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not _healthy(f"{self.uri}/health"):
+        while not http_ok(f"{self.uri}/health"):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(
                     f"mlflow server at {self.uri} did not start: ...\n" + self.tail()
@@ -77,9 +65,7 @@ class MlflowServer:
     def kill(self) -> None:
         """SIGKILL the server and its workers, as when its pod is lost."""
         assert self.process is not None
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(10)
+        kill_group(self.process)
 
     def stop(self) -> None:
         if self.process is not None:
@@ -87,14 +73,6 @@ class MlflowServer:
 
     def tail(self) -> str:
         return log_tail(self.log_path)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except (OSError, urllib.error.URLError):
-        return False
 
 
 @pytest.fixture(scope="module")

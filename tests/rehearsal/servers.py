@@ -14,8 +14,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from tests import s3servers
@@ -92,7 +90,7 @@ class StorageHost:
             )
         runner = self.network.runner(self.host)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not runner.call(_healthy, f"{self.tracking_uri}/health"):
+        while not runner.call(s3servers.http_ok, f"{self.tracking_uri}/health"):
             if self.mlflow.poll() is not None:
                 raise RuntimeError(
                     f"mlflow server exited {self.mlflow.returncode}; log {self.mlflow_log}:\n"
@@ -113,11 +111,3 @@ class StorageHost:
         if self.s3 is not None:
             self.s3.stop()
             self.s3 = None
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except (OSError, urllib.error.URLError):
-        return False
