@@ -1,0 +1,240 @@
+"""A bare GRPO loop in plain PyTorch + transformers: the CPU default without an engine.
+
+Its own supervised warm start (the config's warm_start steps, lr and batch, the engine's batches
+for a seed), then GRPO as the config sets it, with held-out greedy accuracy every `--eval-every`
+steps; it stops at the first eval at >= step 0 + `--target`. A step does the engine's math
+(bench/overhead.py lists where it differs): the engine's prompt order, each distinct prompt
+prefilled once, finished rows leaving the decode batch once they are a quarter of it,
+token-budget micro-batches (longest rows first) whose distinct prompts run once in the training
+forward, group-normalized advantages, PPO clip, token-mean loss, AdamW (0.9, 0.99), grad clip.
+
+Reuses from relax_core only the config reader, the dataset reader, the character tokenizer, the
+tiny Qwen3 builder (the same initial weights for a seed) and the config's reward function (the
+answer check). Prompts must share one length and the template be 'plain' (datasets/arithmetic).
+
+    python bench/bare_grpo.py [--cfg configs/cpu-default.yaml] [--seed 0] [--target 0.30]
+
+Prints one JSON line: each eval's step, accuracy, wall seconds since this script started
+(before torch's import) and epoch time, and `time_to_target_s` (null when not reached).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+T0 = time.time()
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# As a script, bench/ leads sys.path and bench/queue.py would shadow the standard library's.
+if sys.path and os.path.abspath(sys.path[0]) == os.path.join(REPO, "bench"):
+    sys.path[0] = REPO
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+
+def adamw(model, lr: float) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+
+
+def warm_start(model, tok, rows: list[dict], steps: int, lr: float, batch: int, seed: int) -> None:
+    """Next-token loss on answer + EOS (token mean), the engine's batches for `seed`."""
+    opt, rng, eos, pad = adamw(model, lr), random.Random(seed), tok.eos_token_id, tok.pad_token_id
+    prompts = tok([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
+    answers = tok([r["answer"] for r in rows], add_special_tokens=False)["input_ids"]
+    for _ in range(steps):
+        picks = rng.sample(range(len(rows)), min(batch, len(rows)))
+        width = max(len(prompts[i]) + len(answers[i]) + 1 for i in picks)
+        x, y = [], []
+        for i in picks:
+            answer = answers[i] + [eos]
+            gap = width - len(prompts[i]) - len(answer)
+            x.append(prompts[i] + answer + [pad] * gap)
+            y.append([-100] * len(prompts[i]) + answer + [-100] * gap)
+        logits = model(input_ids=torch.tensor(x)).logits[:, :-1].float()
+        loss = F.cross_entropy(logits.flatten(0, 1), torch.tensor(y)[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+
+class BareGRPO:
+    def __init__(self, model, tok, rows: list[dict], cfg, seed: int, reward) -> None:
+        self.model, self.tok, self.rows, self.cfg, self.seed = model, tok, rows, cfg, seed
+        self.reward, self.eos, self.pad = reward, tok.eos_token_id, tok.pad_token_id
+        self.opt, self.gen = adamw(model, cfg.train.lr), torch.Generator().manual_seed(seed)
+        self.ids: dict[int, list[int]] = {}  # prompt tokens, cached as the engine's source
+        self.epoch, self.pos, self.order = 0, 0, None
+
+    def next_prompts(self, n: int) -> list[int]:
+        """The engine's order: one permutation of the dataset per (seed, epoch)."""
+        out: list[int] = []
+        while len(out) < n:
+            if self.order is None:
+                rng = np.random.default_rng([self.seed, self.epoch])
+                shuffled = self.cfg.data.shuffle
+                self.order = (
+                    rng.permutation(len(self.rows)) if shuffled else np.arange(len(self.rows))
+                )
+            take = self.order[self.pos : self.pos + n - len(out)].tolist()
+            out, self.pos = out + take, self.pos + len(take)
+            if self.pos == len(self.rows):
+                self.epoch, self.pos, self.order = self.epoch + 1, 0, None
+        return out
+
+    def forward(self, ids, cache):
+        return self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+
+    @torch.inference_mode()
+    def sample(self, prompts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[G, P] prompts -> responses [G*n, R] (pad after EOS) and their lengths [G*n]."""
+        r, cache = self.cfg.rollout, DynamicCache()
+        rows = torch.arange(len(prompts)).repeat_interleave(r.n_samples_per_prompt)
+        logits = self.forward(prompts, cache)[rows]  # each prompt prefilled once
+        cache.batch_select_indices(rows)
+        rows = torch.arange(len(rows))
+        tokens = torch.full((len(rows), r.max_new_tokens), self.pad)
+        lengths = torch.full((len(rows),), r.max_new_tokens)
+        done = torch.zeros(len(rows), dtype=torch.bool)
+        for t in range(r.max_new_tokens):
+            probs = torch.log_softmax(logits.float() / r.temperature, -1).exp()
+            tok = torch.multinomial(probs, 1, generator=self.gen).squeeze(-1)
+            live = ~done[rows]
+            tokens[rows, t] = tok = tok.masked_fill(~live, self.pad)
+            ended = rows[live & (tok == self.eos)]
+            lengths[ended], done[ended] = t + 1, True
+            if bool(done.all()) or t + 1 == r.max_new_tokens:
+                break
+            if int(done[rows].sum()) * 4 >= len(rows):  # finished rows leave the batch
+                keep = (~done[rows]).nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                rows, tok = rows[keep], tok[keep]
+            logits = self.forward(tok.unsqueeze(-1), cache)
+        return tokens, lengths
+
+    def train(self, prompts, tokens, lengths, adv) -> None:
+        c, decoder = self.cfg, self.model.get_decoder()
+        seq, micro = (prompts.shape[1] + lengths).tolist(), [[]]
+        for i in sorted(range(len(seq)), key=lambda i: -seq[i]):  # longest first, as the engine
+            if micro[-1] and seq[micro[-1][0]] * (len(micro[-1]) + 1) > c.train.micro_batch_tokens:
+                micro.append([])
+            micro[-1].append(i)
+        num_tokens = float(lengths.sum())
+        self.opt.zero_grad(set_to_none=True)
+        for mb in map(torch.tensor, micro):
+            width = int(lengths[mb].max())
+            resp, mask = tokens[mb, :width], (torch.arange(width) < lengths[mb, None]).float()
+            index: dict[int, int] = {}  # the micro-batch's distinct prompts, first seen first
+            groups = (mb // c.rollout.n_samples_per_prompt).tolist()
+            row = torch.tensor([index.setdefault(g, len(index)) for g in groups])
+            cache = DynamicCache()
+            out = decoder(input_ids=prompts[list(index)], past_key_values=cache, use_cache=True)
+            hidden = out.last_hidden_state[:, -1][row].unsqueeze(1)
+            if width > 1:  # the responses on top of their prompt's keys and values
+                cache.batch_select_indices(row)
+                rest = decoder(input_ids=resp[:, :-1], past_key_values=cache, use_cache=True)
+                hidden = torch.cat([hidden, rest.last_hidden_state], 1)
+            logits = self.model.lm_head(hidden).float() / c.rollout.temperature
+            logp = torch.log_softmax(logits, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+            ratio = torch.exp(logp - logp.detach())  # on-policy: the old log-probs are these
+            a, lo, hi = adv[mb, None], c.algorithm.eps_clip, c.algorithm.eps_clip_high
+            pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - lo, 1 + hi))
+            ((pg * mask).sum() / num_tokens).backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.train.grad_clip)
+        self.opt.step()
+
+    def step(self) -> dict[str, float]:
+        r, t0 = self.cfg.rollout, time.perf_counter()
+        picks = self.next_prompts(r.groups_per_step)
+        new = [i for i in dict.fromkeys(picks) if i not in self.ids]
+        texts = [self.rows[i]["prompt"] for i in new]
+        ids = self.tok(texts, add_special_tokens=False)["input_ids"]
+        self.ids.update(zip(new, ids, strict=True))
+        prompts = torch.tensor([self.ids[i] for i in picks])
+        tokens, lengths = self.sample(prompts)
+        t1 = time.perf_counter()
+        ends = zip(tokens.tolist(), lengths.tolist(), strict=True)
+        texts = self.tok.batch_decode([t[:k] for t, k in ends], skip_special_tokens=True)
+        rows = [self.rows[i] for i in picks for _ in range(r.n_samples_per_prompt)]
+        scores = [
+            self.reward(x, row["answer"], row).reward for x, row in zip(texts, rows, strict=True)
+        ]
+        g = torch.tensor(scores, dtype=torch.float32).view(len(picks), -1)
+        centered = g - g.mean(1, keepdim=True)  # population std, as the engine's two passes
+        adv = (centered / (centered.square().mean(1, keepdim=True).sqrt() + 1e-6)).flatten()
+        t2 = time.perf_counter()
+        self.train(prompts, tokens, lengths, adv)
+        t3 = time.perf_counter()
+        times = {"generate_s": t1 - t0, "reward_s": t2 - t1, "train_s": t3 - t2}
+        return {**times, "reward_mean": float(g.mean())}
+
+    @torch.inference_mode()
+    def accuracy(self, rows: list[dict]) -> float:
+        """Greedy held-out accuracy (the engine's eval: the first eval_size rows)."""
+        ids = torch.tensor(
+            self.tok([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
+        )
+        cache, out = DynamicCache(), []
+        for _ in range(self.cfg.rollout.max_new_tokens):
+            ids = self.forward(ids, cache).argmax(-1, keepdim=True)
+            out.append(ids)
+            if bool((torch.cat(out, 1) == self.eos).any(1).all()):
+                break
+        resp = [
+            r[: r.index(self.eos) + 1] if self.eos in r else r for r in torch.cat(out, 1).tolist()
+        ]
+        texts = self.tok.batch_decode(resp, skip_special_tokens=True)
+        correct = sum(
+            self.reward(x, r["answer"], r).correct for x, r in zip(texts, rows, strict=True)
+        )
+        return correct / len(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cfg", default=os.path.join(REPO, "configs", "cpu-default.yaml"))
+    p.add_argument("--seed", type=int, default=None, help="default: the config's")
+    p.add_argument("--eval-every", type=int, default=None, help="default: train.eval_every")
+    p.add_argument("--target", type=float, default=0.30, help="accuracy gain over step 0")
+    p.add_argument("--max-steps", type=int, default=None, help="default: train.total_steps")
+    args = p.parse_args()
+    from relax_core.config import load_config
+    from relax_core.data.dataset import load_prompts
+    from relax_core.models.tiny import build_char_tokenizer, build_tiny_qwen3
+    from relax_core.rewards.registry import resolve_reward
+
+    cfg = load_config(args.cfg)
+    seed = cfg.seed if args.seed is None else args.seed
+    every, steps = args.eval_every or cfg.train.eval_every, args.max_steps or cfg.train.total_steps
+    rows = load_prompts(os.path.join(REPO, cfg.data.train_path))
+    held_out = load_prompts(os.path.join(REPO, cfg.data.eval_path))[: cfg.data.eval_size]
+    tok = build_char_tokenizer()
+    model = build_tiny_qwen3(cfg.model, len(tok), seed)
+    w = cfg.warm_start
+    warm_start(model, tok, rows, w.steps, w.lr, w.batch_size, seed)
+    loop = BareGRPO(model, tok, rows, cfg, seed, resolve_reward(cfg.reward.name))
+    evals = [{"step": 0, "accuracy": loop.accuracy(held_out), "time": time.time()}]
+    step, base = 0, evals[0]["accuracy"]
+    while step < steps and evals[-1]["accuracy"] - base < args.target - 1e-9:
+        loop.step()
+        step += 1
+        if step % every == 0 or step == steps:
+            evals.append({"step": step, "accuracy": loop.accuracy(held_out), "time": time.time()})
+    for e in evals:
+        e["wall_s"] = round(e["time"] - T0, 3)
+    reached = evals[-1]["accuracy"] - base >= args.target - 1e-9
+    print(json.dumps({"cpus": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
+                      "seed": seed, "evals": evals,
+                      "time_to_target_s": evals[-1]["wall_s"] if reached else None}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
