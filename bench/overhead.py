@@ -1,13 +1,38 @@
-"""Engine overhead: the colocate controller's step vs a bare PyTorch loop doing the same math.
+"""Engine overhead: the colocate controller's step against a bare PyTorch loop doing its math.
 
-Both start from the same warm-started tiny policy and do, per step: sample 32 prompts x 8 responses
-(4 new tokens, KV cache), score them, group-normalize rewards, one GRPO (PPO-clip) step with AdamW.
-The engine additionally writes/reads the TransferQueue (Arrow IPC, fsync), validates schemas,
-copies weights to its rollout engine and keeps its metrics. Runs alternate A B A B.
+Both sides start from the same warm-started CPU-default policy (bench.common.prepared_policy)
+with the same seed, so they see the same prompts in the same order. The engine side is
+`ColocateController.step`; the bare side is `BareGRPO.step` of bench/bare_grpo.py: the engine's
+prompt order, one prefill per distinct prompt indexed out to its samples, finished rows leaving
+the decode batch once they are a quarter of it (the engine's rule, so both draw the same random
+numbers), token-budget micro-batches packed longest row first, each micro-batch's distinct
+prompts run once with their keys/values indexed out to every row, token-mean loss over the step
+batch's tokens, GRPO advantages (population std, eps 1e-6), PPO clip (eps_clip, eps_clip_high),
+the config's reward function, AdamW (0.9, 0.99, no weight decay), grad clip.
 
-    python bench/overhead.py [--steps 30] [--rounds 3]
+What the bare loop still does not do (none of it changes the update):
+- one model samples and trains; the engine samples with a copy and copies the trained weights
+  into it after each step (weight sync);
+- no attention masks or position ids: every prompt has one length and responses are
+  right-padded under causal attention, so padding never reaches a real token (the engine builds
+  both, and passes masks to every forward);
+- none of the engine's bookkeeping: rollout log-probs, per-token entropy (computed, unused by a
+  loss without an entropy term), the rollout-vs-train mismatch and loss metrics, row dicts and
+  reward error handling, Arrow rows written to the queue and read back (`rollout`, `ready`),
+  schema checks, staleness and proximal-policy plumbing, the non-finite grad-norm skip.
+`--check K` runs both sides K steps in one process from the same weights and prints, per step,
+both mean rewards and the largest parameter difference: float rounding (~1e-6) if the math is
+the same, ~1e-3 and growing when the samples or the update differ.
 
-Last line: `headline: engine_overhead = X` (engine seconds per step / bare seconds per step).
+Method: each side runs `--steps` timed steps after `--warmup` untimed ones in a fresh process
+of its own per round, every process pinned to the same CPU set with the same torch thread
+budget (bench.common.run_worker); rounds alternate engine, bare.
+
+    python bench/overhead.py [--steps 20] [--warmup 2] [--rounds 3] [--cpus 0,1] [--threads 2]
+    python bench/overhead.py --check 3
+
+Last line: `headline: engine_overhead = X`, the median over rounds of engine s/step / bare
+s/step (goal <= 1.2).
 """
 
 from __future__ import annotations
@@ -22,115 +47,155 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.join(REPO, "bench"):
     sys.path[0] = REPO
 
 import argparse
-import copy
+import json
+import shutil
 import statistics
 import tempfile
 import time
 
-import torch
-from transformers import DynamicCache
+from bench.common import (
+    add_pin_args,
+    cpu_set,
+    median_range,
+    placement,
+    prepared_policy,
+    repo_data,
+    run_worker,
+    work_sections,
+)
 
-from bench.common import prepared_policy
-from relax_core.config import load_config, replace
-from relax_core.data.dataset import load_prompts
-from relax_core.models.policy import load_policy
-from relax_core.run.colocate import ColocateController
-from relax_core.run.session import RunSession
-from relax_core.train.run_state import RunState
-
-
-class BareLoop:
-    """~60 lines of plain PyTorch: the least a GRPO step on this model has to do."""
-
-    def __init__(self, model, tokenizer, rows, seed: int) -> None:
-        self.model, self.tok, self.rows = model, tokenizer, rows
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
-        self.gen = torch.Generator().manual_seed(seed)
-        self.ids = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
-        self.i = 0
-
-    @torch.no_grad()
-    def sample(self, prompts: torch.Tensor, new: int):
-        self.model.eval()
-        cache, ids, out = DynamicCache(), prompts, []
-        for _ in range(new):
-            logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
-            ids = torch.multinomial(torch.softmax(logits, -1), 1, generator=self.gen)
-            out.append(ids)
-        return torch.cat(out, 1)
-
-    def step(self, groups: int = 32, n: int = 8, new: int = 4) -> None:
-        picks = [(self.i + k) % len(self.rows) for k in range(groups)]
-        self.i += groups
-        # Fixed-width prompts (00+00=) so no padding is needed: the bare loop's best case.
-        prompts = torch.tensor([self.ids[p] for p in picks]).repeat_interleave(n, 0)
-        resp = self.sample(prompts, new)
-        eos = self.tok.eos_token_id
-        ends = (resp == eos).int().cumsum(1)
-        mask = ((ends == 0) | ((ends == 1) & (resp == eos))).float()
-        texts = self.tok.batch_decode(resp * mask.long(), skip_special_tokens=True)
-        answers = [self.rows[p]["answer"] for p in picks for _ in range(n)]
-        r = torch.tensor([float(t.strip() == a) for t, a in zip(texts, answers, strict=True)])
-        g = r.view(groups, n)
-        adv = (g - g.mean(1, keepdim=True)) / (g.std(1, unbiased=False, keepdim=True) + 1e-6)
-        adv = adv.reshape(-1, 1)
-        self.model.train()
-        seq = torch.cat([prompts, resp], 1)
-        logits = self.model(input_ids=seq).logits[:, prompts.shape[1] - 1 : -1]
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
-        ratio = torch.exp(logp - logp.detach())
-        pg = torch.max(-adv * ratio, -adv * ratio.clamp(0.8, 1.28))
-        loss = (pg * mask).sum() / mask.sum()
-        self.opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
+SIDES = ("engine", "bare")
 
 
-def timed(fn, steps: int) -> float:
-    fn()  # warm-up step, not timed
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    return (time.perf_counter() - t0) / steps
+def bench_config(work: str):
+    """The CPU default with its queue, checkpoints and MLflow store under `work`."""
+    from relax_core.config import load_config, replace
+
+    cfg = load_config(os.path.join(REPO, "configs", "cpu-default.yaml"))
+    return replace(cfg, **work_sections(work), **repo_data(cfg), train={"total_steps": 10_000})
+
+
+def engine_side(cfg, policy: str):
+    """A colocate controller on `policy` (its session holds the trainer's model)."""
+    from relax_core.run.colocate import ColocateController
+    from relax_core.run.session import RunSession
+    from relax_core.train.run_state import RunState
+
+    return ColocateController(RunSession(cfg, policy, RunState(run_id="bench-overhead")))
+
+
+def engine_phases(controller):
+    """The controller's step, returning the step's phase times (perf/*_s)."""
+
+    def step() -> dict[str, float]:
+        m = controller.step()
+        return {k[5:]: v for k, v in m.items() if k.startswith("perf/") and k.endswith("_s")}
+
+    return step
+
+
+def bare_side(cfg, policy: str):
+    from bench.bare_grpo import BareGRPO
+    from relax_core.data.dataset import load_prompts
+    from relax_core.models.policy import load_policy
+    from relax_core.rewards.registry import resolve_reward
+
+    model, tok = load_policy(policy)
+    rows = load_prompts(cfg.data.train_path)
+    return BareGRPO(model, tok, rows, cfg, cfg.seed, resolve_reward(cfg.reward.name))
+
+
+def worker(side: str, steps: int, warmup: int) -> None:
+    """Time `steps` steps of one side after `warmup` steps; print the result as JSON."""
+    work = tempfile.mkdtemp(prefix="relax-overhead-")
+    try:
+        cfg = bench_config(work)
+        policy = prepared_policy(cfg)
+        if side == "engine":
+            step = engine_phases(engine_side(cfg, policy))
+        else:
+            step = bare_side(cfg, policy).step
+        for _ in range(warmup):
+            step()
+        parts: dict[str, float] = {}
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            for key, value in step().items():
+                if key.endswith("_s") and key != "tokens_per_s":
+                    parts[key] = parts.get(key, 0.0) + value / steps
+        s_per_step = (time.perf_counter() - t0) / steps
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps({**placement(), "side": side, "s_per_step": s_per_step, "parts": parts}))
+
+
+def check(steps: int) -> None:
+    """Both sides from the same weights in this process: per step, the mean rewards and the
+    largest difference between the trainer's parameters and the bare loop's."""
+    work = tempfile.mkdtemp(prefix="relax-overhead-")
+    try:
+        cfg = bench_config(work)
+        policy = prepared_policy(cfg)
+        controller, bare = engine_side(cfg, policy), bare_side(cfg, policy)
+        start = [p.detach().clone() for p in bare.model.parameters()]
+        print("step  engine reward  bare reward  max |param diff|  max |bare param moved|")
+        same = True
+        for k in range(1, steps + 1):
+            reward = controller.step()["train/reward_mean"]
+            bare_reward = bare.step()["reward_mean"]
+            ours = [p.detach() for p in controller.s.model.parameters()]
+            theirs = [p.detach() for p in bare.model.parameters()]
+            diff = max(float((p - q).abs().max()) for p, q in zip(ours, theirs, strict=True))
+            moved = max(float((p - q).abs().max()) for p, q in zip(theirs, start, strict=True))
+            print(f"{k:>4}  {reward:>13.4f}  {bare_reward:>11.4f}  {diff:>16.2e}  {moved:>21.2e}")
+            same = same and abs(reward - bare_reward) < 1e-6 and diff < 1e-4
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if not same:
+        raise SystemExit("the bare loop's math differs from the engine's (see above)")
+    print("same samples and updates, up to float rounding")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=30)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per process")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--check", type=int, default=0, help="compare K steps' math, no timing")
+    parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
+    add_pin_args(parser)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    os.chdir(REPO)
-    work = tempfile.mkdtemp(prefix="relax-bench-")
-    cfg = load_config(os.path.join(REPO, "configs", "cpu-default.yaml"))
-    cfg = replace(
-        cfg,
-        queue={"root": os.path.join(work, "queue")},
-        checkpoint={"dir": os.path.join(work, "ckpt")},
-        train={"total_steps": 10_000},
-    )
-    policy = prepared_policy(cfg)
-    session = RunSession(cfg, policy, RunState(run_id="bench-overhead"))
-    engine = ColocateController(session)
-    model, tok = load_policy(policy)
-    bare = BareLoop(copy.deepcopy(model), tok, load_prompts(cfg.data.train_path), cfg.seed)
-
-    eng_s, bare_s = [], []
-    for _ in range(args.rounds):
-        eng_s.append(timed(engine.step, args.steps))
-        bare_s.append(timed(bare.step, args.steps))
-    e, b = statistics.median(eng_s), statistics.median(bare_s)
-    print(f"threads={torch.get_num_threads()} steps/round={args.steps} rounds={args.rounds}")
-    print(f"{'loop':<10}{'s/step (median)':>18}{'all rounds':>40}")
-    print(f"{'engine':<10}{e:>18.4f}{str([round(x, 4) for x in eng_s]):>40}")
-    print(f"{'bare':<10}{b:>18.4f}{str([round(x, 4) for x in bare_s]):>40}")
-    m = engine.step()
-    parts = ["rollout_s", "generate_s", "reward_s", "queue_s", "train_s", "sync_s"]
-    print("engine step breakdown: " + ", ".join(f"{p}={m['perf/' + p]:.4f}" for p in parts))
-    print(f"headline: engine_overhead = {e / b:.2f}")
+    if args.worker:
+        return worker(args.worker, args.steps, args.warmup)
+    if args.check:
+        return check(args.check)
+    cpus = cpu_set(args.cpus)
+    work = tempfile.mkdtemp(prefix="relax-overhead-")
+    cfg = bench_config(work)
+    prepared_policy(cfg)  # the warm start once, here, so no worker times it
+    shutil.rmtree(work, ignore_errors=True)
+    script = os.path.abspath(__file__)
+    results: dict[str, list[dict]] = {side: [] for side in SIDES}
+    for r in range(args.rounds):
+        for side in SIDES:
+            cmd = [sys.executable, script, "--worker", side]
+            cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+            results[side].append(run_worker(cmd, cpus, args.threads))
+        e, b = (results[side][-1]["s_per_step"] for side in SIDES)
+        print(f"round {r + 1}: engine {e:.4f} s/step, bare {b:.4f} s/step", flush=True)
+    per_step = {side: [x["s_per_step"] for x in results[side]] for side in SIDES}
+    ratios = [e / b for e, b in zip(per_step["engine"], per_step["bare"], strict=True)]
+    print(f"\nseed {cfg.seed}; CPUs {cpus}; {args.threads} torch threads per process; "
+          f"{args.steps} timed steps after {args.warmup} per process; {args.rounds} rounds")  # fmt: skip
+    print("\n| side | s/step median (min-max) |\n| --- | --- |")
+    for side in SIDES:
+        print(f"| {side} | {median_range(per_step[side], 4)} |")
+    print(f"engine / bare per round: {', '.join(f'{x:.3f}' for x in ratios)}")
+    for side in SIDES:
+        parts = results[side][-1]["parts"]
+        print(f"{side} phases (last round, s/step): "
+              + ", ".join(f"{k}={v:.4f}" for k, v in sorted(parts.items())))  # fmt: skip
+    print(f"headline: engine_overhead = {statistics.median(ratios):.2f}")
 
 
 if __name__ == "__main__":
