@@ -1,12 +1,14 @@
 """A bare GRPO loop in plain PyTorch + transformers: the CPU default without an engine.
 
-Its own supervised warm start (the config's warm_start steps, lr and batch, the engine's batches
-for a seed), then GRPO as the config sets it, with held-out greedy accuracy every `--eval-every`
-steps; it stops at the first eval at >= step 0 + `--target`. A step does the engine's math
-(bench/overhead.py lists where it differs): the engine's prompt order, each distinct prompt
-prefilled once, finished rows leaving the decode batch once they are a quarter of it,
-token-budget micro-batches (longest rows first) whose distinct prompts run once in the training
-forward, group-normalized advantages, PPO clip, token-mean loss, AdamW (0.9, 0.99), grad clip.
+Its own supervised warm start (the config's warm_start steps, lr and batch), then GRPO as the
+config sets it, with held-out greedy accuracy every `--eval-every` steps; it stops at the first
+eval at >= step 0 + `--target`. Both do the engine's math in the engine's order of operations, so
+on one thread count a run gives the main job's weights and evals bit for bit: the warm start's
+initial weights, batches and masked token-mean loss; then per step the engine's prompt order,
+each distinct prompt prefilled once, finished rows leaving the decode batch once they are a
+quarter of it, token-budget micro-batches (longest rows first) whose distinct prompts run once in
+the training forward, group-normalized advantages, PPO clip, token-mean loss, AdamW (0.9, 0.99),
+grad clip (`bench/overhead.py --check` compares steps; it lists what the engine does besides).
 
 Reuses from relax_core only the config reader, the dataset reader, the character tokenizer, the
 tiny Qwen3 builder (the same initial weights for a seed) and the config's reward function (the
@@ -36,7 +38,6 @@ import random  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 
@@ -45,21 +46,25 @@ def adamw(model, lr: float) -> torch.optim.AdamW:
 
 
 def warm_start(model, tok, rows: list[dict], steps: int, lr: float, batch: int, seed: int) -> None:
-    """Next-token loss on answer + EOS (token mean), the engine's batches for `seed`."""
+    """Next-token loss on answer + EOS, token mean, the engine's batches for `seed`; as in the
+    engine, right padding masked and the LM head only where an answer token is predicted."""
     opt, rng, eos, pad = adamw(model, lr), random.Random(seed), tok.eos_token_id, tok.pad_token_id
     prompts = tok([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
-    answers = tok([r["answer"] for r in rows], add_special_tokens=False)["input_ids"]
+    answers = [
+        a + [eos] for a in tok([r["answer"] for r in rows], add_special_tokens=False)["input_ids"]
+    ]
     for _ in range(steps):
         picks = rng.sample(range(len(rows)), min(batch, len(rows)))
-        width = max(len(prompts[i]) + len(answers[i]) + 1 for i in picks)
-        x, y = [], []
-        for i in picks:
-            answer = answers[i] + [eos]
-            gap = width - len(prompts[i]) - len(answer)
-            x.append(prompts[i] + answer + [pad] * gap)
-            y.append([-100] * len(prompts[i]) + answer + [-100] * gap)
-        logits = model(input_ids=torch.tensor(x)).logits[:, :-1].float()
-        loss = F.cross_entropy(logits.flatten(0, 1), torch.tensor(y)[:, 1:].flatten())
+        p, width = len(prompts[picks[0]]), max(len(answers[i]) for i in picks)
+        x = torch.tensor(
+            [prompts[i] + answers[i] + [pad] * (width - len(answers[i])) for i in picks]
+        )
+        mask = torch.arange(width) < torch.tensor([len(answers[i]) for i in picks]).unsqueeze(1)
+        seen = torch.cat([torch.ones(len(picks), p, dtype=torch.long), mask.long()], 1)
+        hidden = model.get_decoder()(input_ids=x, attention_mask=seen).last_hidden_state
+        logits = model.lm_head(hidden[:, p - 1 : p - 1 + width]).float()
+        logp = torch.log_softmax(logits, -1).gather(-1, x[:, p:].unsqueeze(-1)).squeeze(-1)
+        loss = -(logp * mask.float()).sum() / mask.float().sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -177,11 +182,8 @@ class BareGRPO:
         return {**times, "reward_mean": float(g.mean())}
 
     @torch.inference_mode()
-    def accuracy(self, rows: list[dict]) -> float:
-        """Greedy held-out accuracy (the engine's eval: the first eval_size rows)."""
-        ids = torch.tensor(
-            self.tok([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
-        )
+    def accuracy(self, ids: torch.Tensor, rows: list[dict]) -> float:
+        """Greedy accuracy on `rows` (prompt tokens `ids` [N, P]), as the engine's eval."""
         cache, out = DynamicCache(), []
         for _ in range(self.cfg.rollout.max_new_tokens):
             ids = self.forward(ids, cache).argmax(-1, keepdim=True)
@@ -221,13 +223,16 @@ def main() -> None:
     w = cfg.warm_start
     warm_start(model, tok, rows, w.steps, w.lr, w.batch_size, seed)
     loop = BareGRPO(model, tok, rows, cfg, seed, resolve_reward(cfg.reward.name))
-    evals = [{"step": 0, "accuracy": loop.accuracy(held_out), "time": time.time()}]
+    ids = torch.tensor(tok([r["prompt"] for r in held_out], add_special_tokens=False)["input_ids"])
+    evals = [{"step": 0, "accuracy": loop.accuracy(ids, held_out), "time": time.time()}]
     step, base = 0, evals[0]["accuracy"]
     while step < steps and evals[-1]["accuracy"] - base < args.target - 1e-9:
         loop.step()
         step += 1
         if step % every == 0 or step == steps:
-            evals.append({"step": step, "accuracy": loop.accuracy(held_out), "time": time.time()})
+            evals.append(
+                {"step": step, "accuracy": loop.accuracy(ids, held_out), "time": time.time()}
+            )
     for e in evals:
         e["wall_s"] = round(e["time"] - T0, 3)
     reached = evals[-1]["accuracy"] - base >= args.target - 1e-9
