@@ -1,10 +1,11 @@
 """Torch train backend: an HF causal LM, AdamW, gradient accumulation over token-budget micro-batches.
 
 Log-probs are computed only at response positions: the decoder runs over the whole sequence, but the
-LM head (the widest matmul for real vocabularies) sees just the hidden states that predict response
-tokens. Logits are divided by the rollout temperature so the trainer scores the distribution the
-engine sampled from. A micro-batch with `routed_experts` runs with the policy's routers replaying
-them (models/routing_replay.py).
+LM head (the widest matmul for real vocabularies) sees just the hidden states that predict real
+response tokens (not a micro-batch's padding, whose log-prob and entropy are 0). Logits are divided
+by the rollout temperature so the trainer scores the distribution the engine sampled from. A
+micro-batch with `routed_experts` runs with the policy's routers replaying them
+(models/routing_replay.py).
 
 Mixed precision: the model's parameters are the float32 master weights (AdamW and its state in
 float32); with a `compute_dtype` (bf16) the forward runs under autocast and `named_weights` and the
@@ -50,9 +51,10 @@ def response_logprobs(
 def _response_logprobs(
     model: PreTrainedModel, mb: MicroBatch, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    real = _real_response_tokens(mb)
     if mb.shared is not None and mb.media is None:
         hidden = _shared_prompt_hidden(model, mb)
-        return _token_logprobs(model, hidden, mb.response_ids, temperature)
+        return _token_logprobs(model, hidden, mb.response_ids, real, temperature)
     if mb.media is not None and isinstance(model, MultimodalDecoder):  # M-RoPE positions
         inputs = model.decoder_inputs(mb.input_ids, mb.attention_mask, mb.media)
         hidden = model.get_decoder()(**inputs, attention_mask=mb.attention_mask).last_hidden_state
@@ -65,18 +67,36 @@ def _response_logprobs(
             input_ids=mb.input_ids, attention_mask=mb.attention_mask
         ).last_hidden_state
     index = mb.response_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-    return _token_logprobs(model, hidden.gather(1, index), mb.response_ids, temperature)
+    return _token_logprobs(model, hidden.gather(1, index), mb.response_ids, real, temperature)
+
+
+def _real_response_tokens(mb: MicroBatch) -> torch.Tensor:
+    """[B, R] bool: the response tokens each row has (False on padding). Response token t of a
+    row is input position response_positions + 1, real where the attention mask is 1."""
+    following = mb.response_positions + 1
+    width = mb.attention_mask.shape[1]
+    inside = following < width
+    return inside & (mb.attention_mask.gather(1, following.clamp(max=width - 1)) > 0)
 
 
 def _token_logprobs(
-    model: PreTrainedModel, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float
+    model: PreTrainedModel,
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    real: torch.Tensor,
+    temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprobs, entropy) [B, R] of `tokens` [B, R] from the hidden states predicting them."""
-    logits = model.get_output_embeddings()(hidden).float()
-    logp_all = torch.log_softmax(logits / temperature, dim=-1)
-    logprobs = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    """(logprobs, entropy) [B, R] of `tokens` [B, R] from the hidden states predicting them,
+    0 where `real` [B, R] is False. The LM head and the vocabulary-wide softmax run on the real
+    tokens only, not on a micro-batch's padding."""
+    logits = model.get_output_embeddings()(hidden[real]).float()  # [N, V]
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logprobs = logp_all.gather(-1, tokens[real].unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logprobs, entropy
+    padded = torch.zeros(tokens.shape, dtype=logprobs.dtype, device=logprobs.device)
+    return padded.masked_scatter(real, logprobs), padded.masked_scatter(real, entropy)
 
 
 def _shared_prompt_hidden(model: PreTrainedModel, mb: MicroBatch) -> torch.Tensor:

@@ -152,3 +152,35 @@ def test_ragged_rows_pad_to_a_left_aligned_block():
     assert out.tolist() == [[1, 2, 3, -1], [-1, -1, -1, -1], [4, -1, -1, -1]]
     assert pad_2d([], 3, 0.0, torch.float32).shape == (0, 3)
     assert pad_2d([[0.5], [1.5, 2.5]], 2, 0.0, torch.float32).tolist() == [[0.5, 0.0], [1.5, 2.5]]
+
+
+@pytest.mark.parametrize("share", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_lm_head_scores_real_response_tokens_only(tok, share, temperature):
+    """Rows of different response lengths: the LM head sees each real response token once (no
+    padding), their log-probs are those of a plain forward over each whole sequence, and padded
+    positions read 0."""
+    model, prompts, outs = _rollout(tok)
+    prompts = prompts[:3] + prompts[:3]  # repeated prompts, so `share` takes the shared path
+    responses = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14], [], [15, 16]]
+    mb = make_micro_batch(
+        prompts, responses, [[1] * len(r) for r in responses], tok.pad_token_id, share_prompts=share
+    )
+    assert (mb.shared is not None) == share
+    head_rows = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda _m, args, _out: head_rows.append(args[0].shape[0])
+    )
+    logp, entropy = TorchBackend(model, lr=1e-3, temperature=temperature)._forward(mb)
+    hook.remove()
+    assert head_rows == [sum(len(r) for r in responses)]  # 12 real tokens, 6 x 4 with padding
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        n = len(r)
+        assert logp[i, n:].tolist() == [0.0] * (4 - n)
+        assert entropy[i, n:].tolist() == [0.0] * (4 - n)
+        if n == 0:
+            continue
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1]
+        expected = torch.log_softmax(logits / temperature, -1)[torch.arange(n), torch.tensor(r)]
+        torch.testing.assert_close(logp[i, :n].detach(), expected, rtol=0, atol=1e-5)
