@@ -45,6 +45,15 @@ def adamw(model, lr: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
 
 
+def response_logp(model, hidden, tokens, real, temperature: float) -> torch.Tensor:
+    """[B, R] log-probs of `tokens` from the hidden states predicting them; as the engine's
+    trainer, the LM head sees real tokens only (`real` [B, R] bool) and padding reads 0."""
+    logits = model.lm_head(hidden[real]).float()
+    logits = logits / temperature if temperature != 1.0 else logits
+    logp = torch.log_softmax(logits, -1).gather(-1, tokens[real].unsqueeze(-1)).squeeze(-1)
+    return torch.zeros(tokens.shape).masked_scatter(real, logp)
+
+
 def warm_start(model, tok, rows: list[dict], steps: int, lr: float, batch: int, seed: int) -> None:
     """Next-token loss on answer + EOS, token mean, the engine's batches for `seed`; as in the
     engine, right padding masked and the LM head only where an answer token is predicted."""
@@ -62,8 +71,7 @@ def warm_start(model, tok, rows: list[dict], steps: int, lr: float, batch: int, 
         mask = torch.arange(width) < torch.tensor([len(answers[i]) for i in picks]).unsqueeze(1)
         seen = torch.cat([torch.ones(len(picks), p, dtype=torch.long), mask.long()], 1)
         hidden = model.get_decoder()(input_ids=x, attention_mask=seen).last_hidden_state
-        logits = model.lm_head(hidden[:, p - 1 : p - 1 + width]).float()
-        logp = torch.log_softmax(logits, -1).gather(-1, x[:, p:].unsqueeze(-1)).squeeze(-1)
+        logp = response_logp(model, hidden[:, p - 1 : p - 1 + width], x[:, p:], mask, 1.0)
         loss = -(logp * mask.float()).sum() / mask.float().sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -136,7 +144,7 @@ class BareGRPO:
         self.opt.zero_grad(set_to_none=True)
         for mb in map(torch.tensor, micro):
             width = int(lengths[mb].max())
-            resp, mask = tokens[mb, :width], (torch.arange(width) < lengths[mb, None]).float()
+            resp, real = tokens[mb, :width], torch.arange(width) < lengths[mb, None]
             index: dict[int, int] = {}  # the micro-batch's distinct prompts, first seen first
             groups = (mb // c.rollout.n_samples_per_prompt).tolist()
             row = torch.tensor([index.setdefault(g, len(index)) for g in groups])
@@ -147,12 +155,11 @@ class BareGRPO:
                 cache.batch_select_indices(row)
                 rest = decoder(input_ids=resp[:, :-1], past_key_values=cache, use_cache=True)
                 hidden = torch.cat([hidden, rest.last_hidden_state], 1)
-            logits = self.model.lm_head(hidden).float() / c.rollout.temperature
-            logp = torch.log_softmax(logits, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+            logp = response_logp(self.model, hidden, resp, real, c.rollout.temperature)
             ratio = torch.exp(logp - logp.detach())  # on-policy: the old log-probs are these
             a, lo, hi = adv[mb, None], c.algorithm.eps_clip, c.algorithm.eps_clip_high
             pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - lo, 1 + hi))
-            ((pg * mask).sum() / num_tokens).backward()
+            ((pg * real.float()).sum() / num_tokens).backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.train.grad_clip)
         self.opt.step()
 
