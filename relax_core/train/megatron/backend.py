@@ -301,7 +301,10 @@ class MegatronBackend:
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
         if missing:
             raise ValueError(f"checkpoint {path} lacks model tensors, e.g. {missing[:3]}")
-        self.optimizer.load_state_dict(state["optimizer"])
+        # The optimizer copies the saved values into its main parameters, leaves that
+        # require grad: outside autograd, as every in-place write into a parameter.
+        with torch.no_grad():
+            self.optimizer.load_state_dict(state["optimizer"])
         self.steps = int(state["steps"])
 
     def _sharded_state(self, is_loading: bool) -> dict[str, Any]:
