@@ -36,6 +36,18 @@ from relax_core.rollout.engine import Completion, SamplingParams
 from relax_core.rollout.sampling import sample_tokens
 
 
+def _last_logits_only(model: torch.nn.Module) -> dict[str, int]:
+    """{"logits_to_keep": 1} when the model's forward (a PEFT model's: its base model's) names
+    transformers' `logits_to_keep`, else {}."""
+    import inspect
+
+    base = getattr(model, "get_base_model", None)
+    forward = (base() if callable(base) else model).forward
+    return (
+        {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(forward).parameters else {}
+    )
+
+
 class TorchEngine:
     def __init__(
         self,
@@ -54,6 +66,10 @@ class TorchEngine:
         self._paused = False
         self.weight_poll: Callable[[], bool] | None = None
         """Called between decode steps; returns True when it loaded new weights."""
+        self._last_only = _last_logits_only(model)
+        """Forward keyword that computes the LM head at the last position only (a prefill of
+        64 prompts of 256 tokens with a 152k vocabulary would otherwise make 5 GB of logits
+        to keep 1/256 of them); empty where the model's forward does not take it."""
 
     # ------------------------------------------------------------------ generation
     def generate(
@@ -122,18 +138,19 @@ class TorchEngine:
                         past_key_values=cache,
                         use_cache=True,
                         **extra,
+                        **self._last_only,
                     ).logits[:, -1]
-            # Sampling stays on the CPU with the engine's own generator (its state is
-            # checkpointed); on a GPU only the last position's logits come back.
-            logits = logits.to("cpu")
             if captured is not None:  # this forward's tokens are the last columns of `mask`
                 routes[:, mask.shape[1] - step_ids.shape[1] : mask.shape[1]] = captured.tokens(
                     batch
                 )
             prefill = False
+            # Sampled where the logits are, from uniforms of the engine's own CPU generator
+            # (its state is checkpointed); only the tokens and their log-probs come back.
             tok, lp = sample_tokens(
                 logits, params.temperature, params.top_p, params.greedy, self.generator
             )
+            tok, lp = tok.cpu(), lp.cpu()
             live = ~done[rows]
             last_version[rows[live]] = self.version
             tok = tok.masked_fill(~live, self.pad_token_id)
@@ -186,6 +203,7 @@ class TorchEngine:
             position_ids=positions[first].to(device),
             past_key_values=cache,
             use_cache=True,
+            **self._last_only,
         ).logits[:, -1]
         rows = torch.tensor(row)
         cache.batch_select_indices(rows.to(device))

@@ -181,3 +181,25 @@ def test_a_repeated_prompt_is_prefilled_once_and_generates_as_alone(engine, tok)
     assert [c.response_ids for c in together] == [c.response_ids for c in alone]
     for a, b in zip(together, alone, strict=True):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_sampled_tokens_follow_the_distribution_and_skip_zero_mass():
+    # 40k draws over 5 tokens, one of them with no mass: frequencies within 4 standard errors
+    # of the probabilities, the zero-mass token never drawn, the same draws for the same seed.
+    probs = torch.tensor([0.5, 0.25, 0.0, 0.15, 0.1])
+    logits = probs.clamp(min=1e-30).log().expand(40_000, 5)
+    g = torch.Generator().manual_seed(3)
+    tokens, _ = sample_tokens(logits, temperature=1.0, top_p=1.0, greedy=False, generator=g)
+    freq = torch.bincount(tokens, minlength=5).double() / len(tokens)
+    se = (probs.double() * (1 - probs.double()) / len(tokens)).sqrt()
+    assert freq[2] == 0
+    assert torch.all((freq - probs.double()).abs() <= 4 * se + 1e-12), freq
+    again, _ = sample_tokens(logits, 1.0, 1.0, False, torch.Generator().manual_seed(3))
+    assert torch.equal(tokens, again)
+
+
+def test_top_p_sampling_draws_only_inside_the_nucleus():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(5_000, 4)
+    g = torch.Generator().manual_seed(0)
+    tokens, _ = sample_tokens(logits, temperature=1.0, top_p=0.7, greedy=False, generator=g)
+    assert set(tokens.tolist()) == {0, 1}
