@@ -2,13 +2,14 @@
 
 Its own supervised warm start (the config's warm_start steps, lr and batch), then GRPO as the
 config sets it, with held-out greedy accuracy every `--eval-every` steps; it stops at the first
-eval at >= step 0 + `--target`. Both do the engine's math in the engine's order of operations, so
-on one thread count a run gives the main job's weights and evals bit for bit: the warm start's
-initial weights, batches and masked token-mean loss; then per step the engine's prompt order,
-each distinct prompt prefilled once, finished rows leaving the decode batch once they are a
-quarter of it, token-budget micro-batches (longest rows first) whose distinct prompts run once in
-the training forward, group-normalized advantages, PPO clip, token-mean loss, AdamW (0.9, 0.99),
-grad clip (`bench/overhead.py --check` compares steps; it lists what the engine does besides).
+eval at >= step 0 + `--target`. Both do the engine's math in the engine's order of operations,
+so on one thread count a run gives the main job's weights and evals bit for bit: the warm
+start's initial weights, batches and masked token-mean loss; then per step the engine's prompt
+order, each distinct prompt prefilled once, the engine's sampler, finished rows leaving the
+decode batch once they are a quarter of it, token-budget micro-batches (longest rows first)
+whose distinct prompts run once in the training forward, the LM head on real tokens only,
+group-normalized advantages, PPO clip, token-mean loss, AdamW (0.9, 0.99), grad clip.
+`bench/overhead.py --check` compares the steps and lists what the engine does besides.
 
 Reuses from relax_core only the config reader, the dataset reader, the character tokenizer, the
 tiny Qwen3 builder (the same initial weights for a seed) and the config's reward function (the
@@ -103,8 +104,9 @@ class BareGRPO:
                 self.epoch, self.pos, self.order = self.epoch + 1, 0, None
         return out
 
-    def forward(self, ids, cache):
-        return self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+    def forward(self, ids, cache):  # the LM head at the last position only, as the engine
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
 
     @torch.inference_mode()
     def sample(self, prompts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,8 +120,11 @@ class BareGRPO:
         lengths = torch.full((len(rows),), r.max_new_tokens)
         done = torch.zeros(len(rows), dtype=torch.bool)
         for t in range(r.max_new_tokens):
-            probs = torch.log_softmax(logits.float() / r.temperature, -1).exp()
-            tok = torch.multinomial(probs, 1, generator=self.gen).squeeze(-1)
+            # The engine's sampler: each row's float64 CDF inverted at one uniform draw.
+            cdf = torch.log_softmax(logits.float() / r.temperature, -1).exp().double().cumsum(-1)
+            u = torch.rand(len(cdf), generator=self.gen, dtype=torch.float64)
+            tok = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+            tok = tok.clamp(max=cdf.shape[-1] - 1)
             live = ~done[rows]
             tokens[rows, t] = tok = tok.masked_fill(~live, self.pad)
             ended = rows[live & (tok == self.eos)]

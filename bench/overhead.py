@@ -1,14 +1,16 @@
 """Engine overhead: the colocate controller's step against a bare PyTorch loop doing its math.
 
 Both sides start from the same warm-started CPU-default policy (bench.common.prepared_policy)
-with the same seed, so they see the same prompts in the same order. The engine side is
-`ColocateController.step`; the bare side is `BareGRPO.step` of bench/bare_grpo.py: the engine's
-prompt order, one prefill per distinct prompt indexed out to its samples, finished rows leaving
-the decode batch once they are a quarter of it (the engine's rule, so both draw the same random
-numbers), token-budget micro-batches packed longest row first, each micro-batch's distinct
-prompts run once with their keys/values indexed out to every row, token-mean loss over the step
-batch's tokens, GRPO advantages (population std, eps 1e-6), PPO clip (eps_clip, eps_clip_high),
-the config's reward function, AdamW (0.9, 0.99, no weight decay), grad clip.
+with the same seed. The engine side is `ColocateController.step`; the bare side is
+`BareGRPO.step` of bench/bare_grpo.py, which does the engine's math in the engine's order of
+operations: the engine's prompt order; one prefill per distinct prompt, indexed out to its
+samples, the LM head at the last position only; the engine's sampler (one float64 uniform per
+row from a generator seeded alike, inverting the row's CDF); finished rows leaving the decode
+batch once they are a quarter of it (so both draw the same uniforms); token-budget
+micro-batches packed longest row first; each micro-batch's distinct prompts run once with their
+keys/values indexed out to every row; the LM head on real response tokens only; token-mean loss
+over the step batch's tokens; GRPO advantages (population std, eps 1e-6); PPO clip (eps_clip,
+eps_clip_high); the config's reward function; AdamW (0.9, 0.99, no weight decay); grad clip.
 
 What the bare loop still does not do (none of it changes the update):
 - one model samples and trains; the engine samples with a copy and copies the trained weights
@@ -21,8 +23,9 @@ What the bare loop still does not do (none of it changes the update):
   reward error handling, Arrow rows written to the queue and read back (`rollout`, `ready`),
   schema checks, staleness and proximal-policy plumbing, the non-finite grad-norm skip.
 `--check K` runs both sides K steps in one process from the same weights and prints, per step,
-both mean rewards and the largest parameter difference: float rounding (~1e-6) if the math is
-the same, ~1e-3 and growing when the samples or the update differ.
+both mean rewards and the largest parameter difference: 0 when the two do the same operations
+(as at the commit that wrote this), ~1e-3 and growing once a sample or an update differs, which
+is how an engine change that the bare loop has not followed shows.
 
 Method: each side runs `--steps` timed steps after `--warmup` untimed ones in a fresh process
 of its own per round, every process pinned to the same CPU set with the same torch thread
