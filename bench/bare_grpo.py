@@ -155,9 +155,12 @@ class BareGRPO:
             row = torch.tensor([index.setdefault(g, len(index)) for g in groups])
             cache = DynamicCache()
             out = decoder(input_ids=prompts[list(index)], past_key_values=cache, use_cache=True)
-            hidden = out.last_hidden_state[:, -1][row].unsqueeze(1)
+            # index_select, not x[row]: its backward adds a prompt's rows in a fixed order.
+            hidden = out.last_hidden_state[:, -1].index_select(0, row).unsqueeze(1)
             if width > 1:  # the responses on top of their prompt's keys and values
-                cache.batch_select_indices(row)
+                for layer in cache.layers:
+                    layer.keys = layer.keys.index_select(0, row)
+                    layer.values = layer.values.index_select(0, row)
                 rest = decoder(input_ids=resp[:, :-1], past_key_values=cache, use_cache=True)
                 hidden = torch.cat([hidden, rest.last_hidden_state], 1)
             logp = response_logp(self.model, hidden, resp, real, c.rollout.temperature)
