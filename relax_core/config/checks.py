@@ -173,6 +173,23 @@ def _check_routing_replay(e: list[str], cfg: RunSections) -> None:
         )
 
 
+def _check_float32_attention(e: list[str], cfg: RunSections) -> None:
+    m = cfg.model
+    if m.dtype == "float32":
+        e.append("model.float32_attention: attention is float32 already with model.dtype float32")
+    if m.kind not in ("tiny-qwen3", "pretrained"):
+        e.append(
+            f"model.float32_attention: needs a text policy (model.kind 'tiny-qwen3' or "
+            f"'pretrained'), not {m.kind!r}"
+        )
+    if cfg.rollout.engine != "torch" or cfg.train.backend == "megatron":
+        e.append(
+            "model.float32_attention: SGLang and Megatron compute attention in model.dtype; it "
+            "needs rollout.engine 'torch' and train.backend 'torch' or 'fsdp', so engine and "
+            "trainer score alike"
+        )
+
+
 def validate(cfg: RunSections) -> list[str]:
     """Value checks that need no I/O; returns a list of problems (empty when fine)."""
     e: list[str] = []
@@ -180,6 +197,8 @@ def validate(cfg: RunSections) -> list[str]:
     m = cfg.model
     choice(e, "model.kind", m.kind, MODEL_KINDS)
     choice(e, "model.dtype", m.dtype, DTYPES)
+    if m.float32_attention:
+        _check_float32_attention(e, cfg)
     if m.kind == "pretrained" and not m.source:
         e.append("model.source: required when model.kind is 'pretrained'")
     if m.kind in QWEN_MULTIMODAL:

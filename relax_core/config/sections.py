@@ -37,6 +37,9 @@ class ModelConfig:
     """Tiny model: rotary position base (100 learned worse than 10000 on cpu-default)."""
     dtype: str = "float32"
     """Parameter dtype for rollout and training."""
+    float32_attention: bool = False
+    """With dtype bfloat16: attention in float32 in the torch engine and trainer, the rest in
+    bfloat16 (models/attention.py; on CPUs without AMX bf16 attention is the slower kernel)."""
     image_size: int = 32
     """tiny-omni: images (and video frames) are resized to image_size x image_size pixels."""
     patch_size: int = 8

@@ -45,7 +45,12 @@ class RunSession:
         self.backend_name = "torch" if cfg.mode == "async" else cfg.train.backend
         # The trainer's parameters (float32 master weights); engine and reference hold copies
         # in model.dtype.
-        self.model, self.tokenizer = load_policy(model_dir, trainer_dtype(cfg, self.backend_name))
+        # The engine's and the reference's copies keep its attention implementation.
+        self.model, self.tokenizer = load_policy(
+            model_dir,
+            trainer_dtype(cfg, self.backend_name),
+            float32_attention=cfg.model.float32_attention,
+        )
         self.model = lora.for_run(self.model, cfg.train.lora, cfg.seed)
         self.pad_token_id = self.tokenizer.pad_token_id
         self.run_dir = join(cfg.checkpoint.dir, state.run_id)
@@ -105,7 +110,9 @@ class RunSession:
         if ref is not None and ref is not session.model and state.policy_dir:
             # The KL anchor is the starting policy, not the checkpoint being resumed.
             start = local_policy(state.policy_dir, options, scratch)
-            session.ref_model, _ = load_policy(start, cfg.model.dtype)
+            session.ref_model, _ = load_policy(
+                start, cfg.model.dtype, float32_attention=cfg.model.float32_attention
+            )
             session.ref_model = on_accelerator(session.ref_model).eval().requires_grad_(False)
         session._restore_rng()
         return session

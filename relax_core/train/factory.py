@@ -37,7 +37,9 @@ def trainer_policy(cfg: RunConfig, checkpoint: str):
     from relax_core.models.policy import load_policy, load_tokenizer
 
     if cfg.train.backend != "megatron":
-        model, tokenizer = load_policy(checkpoint, trainer_dtype(cfg))
+        model, tokenizer = load_policy(
+            checkpoint, trainer_dtype(cfg), float32_attention=cfg.model.float32_attention
+        )
         return for_run(model, cfg.train.lora, cfg.seed), tokenizer
     from transformers import AutoConfig, AutoModelForCausalLM
 
