@@ -6,9 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bench.common import prepared_policy
 from bench.vs_trl_report import summarize
-from bench.vs_trl_tasks import TASKS, G, bench_config
+from bench.vs_trl_tasks import TASKS, G, bench_config, task_policy
 
 # ---------------------------------------------------------------------------- colocate
 
@@ -70,12 +69,14 @@ def ours_step_parts(m: dict[str, float], probe: dict[str, float], step_s: float)
     return {"step_s": step_s, "tokens": m["perf/generated_tokens"], **parts}
 
 
-def worker_ours(task: str, steps: int, eval_every: int, warmup: int, work: str) -> dict:
+def worker_ours(
+    task: str, steps: int, eval_every: int, warmup: int, work: str, seed: int = 0
+) -> dict:
     from relax_core.run.colocate import ColocateController
     from relax_core.run.session import RunSession, RunState
 
-    cfg = bench_config(task, work, steps, eval_every)
-    session = RunSession(cfg, prepared_policy(cfg), RunState(run_id=f"vs-trl-{task}"))
+    cfg = bench_config(task, work, steps, eval_every, seed=seed)
+    session = RunSession(cfg, task_policy(cfg, task), RunState(run_id=f"vs-trl-{task}"))
     controller = ColocateController(session)
     probe = TrainProbe(session.backend)
     evals = [(0, controller.evaluate()["eval/accuracy"])]
@@ -93,7 +94,9 @@ def worker_ours(task: str, steps: int, eval_every: int, warmup: int, work: str) 
 # ---------------------------------------------------------------------------- async
 
 
-def worker_async(task: str, steps: int, eval_every: int, warmup: int, work: str) -> dict:
+def worker_async(
+    task: str, steps: int, eval_every: int, warmup: int, work: str, seed: int = 0
+) -> dict:
     """Our async mode through the local supervisor; per-step figures from the trainer's
     MLflow metrics (`perf/step_s` is the time between the trainer's steps, waits included)."""
     import mlflow
@@ -102,8 +105,8 @@ def worker_async(task: str, steps: int, eval_every: int, warmup: int, work: str)
     from relax_core.run.lifecycle import finish_run, start_run
     from relax_core.train.checkpoint import read_state
 
-    cfg = bench_config(task, work, steps, eval_every, mode="async")
-    final = run_async_local(cfg, start_run(cfg, prepared_policy(cfg)))
+    cfg = bench_config(task, work, steps, eval_every, mode="async", seed=seed)
+    final = run_async_local(cfg, start_run(cfg, task_policy(cfg, task)))
     after = finish_run(cfg, final)["eval_accuracy_after"]
     client = mlflow.tracking.MlflowClient(cfg.tracking.tracking_uri)
     run_id = read_state(final)["tracking_run_id"]

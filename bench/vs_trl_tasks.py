@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from bench.common import REPO, repo_data, work_sections
+from bench.common import REPO, prepared_policy, repo_data, work_sections
 
 G = 8  # samples per prompt (group size)
 NEW_TOKENS = 32
@@ -24,13 +24,16 @@ class Task:
 
 
 TASKS = {
-    "tiny": Task("configs/cpu-default.yaml", steps=50, eval_every=10, target=0.30, warmup=2),
+    "tiny": Task("configs/cpu-default.yaml", steps=100, eval_every=10, target=0.30, warmup=2),
     "smollm2": Task("configs/smollm2-135m-cpu.yaml", steps=4, eval_every=2, target=0.9, warmup=1),
 }
 
 
-def bench_config(task: str, work: str, steps: int, eval_every: int, mode: str = "colocate"):
-    """The task's config with the bench's shape: 32 new tokens, paths under `work`."""
+def bench_config(
+    task: str, work: str, steps: int, eval_every: int, mode: str = "colocate", seed: int = 0
+):
+    """The task's config with the bench's shape: 32 new tokens, paths under `work`, `seed` (it
+    draws a tiny policy's weights and warm start, the prompt order and the sampling)."""
     from relax_core.config import load_config, replace
 
     cfg = load_config(os.path.join(REPO, TASKS[task].cfg))
@@ -51,6 +54,7 @@ def bench_config(task: str, work: str, steps: int, eval_every: int, mode: str = 
     return replace(
         cfg,
         run_name=f"vs-trl-{task}-{mode}",
+        seed=seed,
         rollout={
             "max_new_tokens": NEW_TOKENS,
             "n_samples_per_prompt": G,
@@ -66,3 +70,13 @@ def bench_config(task: str, work: str, steps: int, eval_every: int, mode: str = 
         **repo_data(cfg),
         **over,
     )
+
+
+def task_policy(cfg, task: str) -> str:
+    """The task's starting policy, the same for every run seed: prepared (converted, warm
+    started) with the task config's own seed, so that seeds vary the prompt order and the
+    samples, not the weights both sides start from."""
+    from relax_core.config import load_config, replace
+
+    own = load_config(os.path.join(REPO, TASKS[task].cfg)).seed
+    return prepared_policy(replace(cfg, seed=own))

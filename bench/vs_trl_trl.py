@@ -8,9 +8,8 @@ import os
 import time
 from typing import Any
 
-from bench.common import prepared_policy
 from bench.vs_trl_report import summarize
-from bench.vs_trl_tasks import NEW_TOKENS, TASKS, G, bench_config
+from bench.vs_trl_tasks import NEW_TOKENS, TASKS, G, bench_config, task_policy
 
 
 def trl_dataset(cfg, tokenizer, n_prompts: int):
@@ -91,7 +90,9 @@ def trl_args(cfg, work: str, steps: int):
     )
 
 
-def worker_trl(task: str, steps: int, eval_every: int, warmup: int, work: str) -> dict:
+def worker_trl(
+    task: str, steps: int, eval_every: int, warmup: int, work: str, seed: int = 0
+) -> dict:
     import torch
     from transformers import TrainerCallback
     from trl import GRPOTrainer
@@ -102,8 +103,8 @@ def worker_trl(task: str, steps: int, eval_every: int, warmup: int, work: str) -
     from relax_core.roles.media import prompt_source
     from relax_core.rollout.torch_engine import TorchEngine
 
-    cfg = bench_config(task, work, steps, eval_every)
-    model, tokenizer = load_policy(prepared_policy(cfg), cfg.model.dtype)
+    cfg = bench_config(task, work, steps, eval_every, seed=seed)
+    model, tokenizer = load_policy(task_policy(cfg, task), cfg.model.dtype)
     data, rows = trl_dataset(cfg, tokenizer, steps * cfg.rollout.groups_per_step)
     reward_fn = build_reward(cfg.reward)
     eval_source = prompt_source(cfg, "eval", None, tokenizer)
