@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from relax_core.config import TrainConfig
 from relax_core.models.lora import adapter_weights, base_state_dict, is_lora, save_adapter
@@ -99,6 +100,17 @@ def _token_logprobs(
     return padded.masked_scatter(real, logprobs), padded.masked_scatter(real, entropy)
 
 
+def _select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
+    """Keep `rows` [B] of the cache's batch (repeats allowed), as batch_select_indices does, but
+    with index_select, whose backward adds repeated rows in a fixed order (see the caller)."""
+    for layer in cache.layers:
+        if type(layer).batch_select_indices is not DynamicLayer.batch_select_indices:
+            layer.batch_select_indices(rows)  # a layer holding more than keys and values
+        elif layer.get_seq_length() > 0:
+            layer.keys = layer.keys.index_select(0, rows)
+            layer.values = layer.values.index_select(0, rows)
+
+
 def _shared_prompt_hidden(model: PreTrainedModel, mb: MicroBatch) -> torch.Tensor:
     """[B, R, d] hidden states predicting each response token, each distinct prompt run once.
 
@@ -118,11 +130,16 @@ def _shared_prompt_hidden(model: PreTrainedModel, mb: MicroBatch) -> torch.Tenso
         past_key_values=cache,
         use_cache=True,
     ).last_hidden_state
-    first = prompt[:, -1][sp.row].unsqueeze(1)  # left-padded: the last column is real
+    # Rows are taken with index_select, not advanced indexing (`x[rows]`, as in transformers'
+    # Cache.batch_select_indices): the backward of advanced indexing on the CPU is index_put_
+    # with accumulate=True, which adds a prompt's rows with atomic adds from several threads in
+    # a varying order, so the same step gave different gradients run to run. index_select's
+    # backward (index_add_) adds them in index order.
+    first = prompt[:, -1].index_select(0, sp.row).unsqueeze(1)  # left-padded: last column real
     width = mb.response_ids.shape[1]
     if width == 1:
         return first
-    cache.batch_select_indices(sp.row)
+    _select_rows(cache, sp.row)
     prompt_len = sp.mask.sum(-1)[sp.row]
     steps = torch.arange(width - 1, device=prompt_len.device)
     rest = decoder(

@@ -184,3 +184,38 @@ def test_the_lm_head_scores_real_response_tokens_only(tok, share, temperature):
             logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1]
         expected = torch.log_softmax(logits / temperature, -1)[torch.arange(n), torch.tensor(r)]
         torch.testing.assert_close(logp[i, :n].detach(), expected, rtol=0, atol=1e-5)
+
+
+def test_shared_prompt_gradients_repeat_bit_for_bit_on_two_threads(tok):
+    """Rows that repeat a prompt add their gradients into its keys and values. With advanced
+    indexing, whose CPU backward adds them with atomic adds from several threads, the order
+    varied: one micro-batch gave different gradients from one backward to the next, and runs of
+    the CPU default drifted apart. Sized like the CPU default so the kernels go parallel."""
+    cfg = ModelConfig(
+        hidden_size=128, num_layers=2, num_heads=8, num_kv_heads=4, intermediate_size=512
+    )
+    model = build_tiny_qwen3(cfg, len(tok), seed=0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [tok(f"{a}+{a * 7 % 90}=", add_special_tokens=False)["input_ids"] for a in range(32)]
+    # 32 groups of 8 samples, interleaved as micro-batching (longest first) leaves them: rows
+    # of one prompt in both halves of the batch, which the threads split between them.
+    order = torch.randperm(256, generator=g).tolist()
+    rows = [prompts[i // 8] for i in order]
+    responses = torch.randint(3, len(tok), (256, 4), generator=g).tolist()
+    mb = make_micro_batch(rows, responses, [[1] * 4] * 256, tok.pad_token_id, share_prompts=True)
+    assert mb.shared is not None
+    backend = TorchBackend(model, lr=1e-3)
+    weights = torch.randn(256, 4, generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        grads = []
+        for _ in range(8):
+            model.zero_grad()
+            logp, _ = backend._forward(mb)
+            (logp * weights).sum().backward()
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    finally:
+        torch.set_num_threads(threads)
+    for other in grads[1:]:
+        assert torch.equal(grads[0], other)
