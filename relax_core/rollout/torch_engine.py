@@ -1,9 +1,10 @@
 """Torch rollout engine: batched sampling from an HF causal LM with a KV cache, in process.
 
 Prompts are left-padded into one batch; positions count real tokens only, so a prompt's log-probs do
-not depend on what it was batched with. Rows that emit EOS stop contributing tokens but stay in the
-batch until every row is done or the budget is spent (the tiny CPU models gain nothing from
-compacting the batch).
+not depend on what it was batched with. A prompt repeated in the batch (a group's samples) is
+prefilled once and its KV cache indexed out to its rows. Rows that emit EOS stop contributing
+tokens; once they are a quarter of the decode batch they leave it and the KV cache. Tokens are
+sampled where the logits are, from one uniform per row of the engine's own CPU generator.
 
 Media (an omni policy, models/omni.py): `generate(..., media=)` gives each prompt its encoded
 media inputs; they go with every prefill (the first step, and a rebuild after new weights) and
