@@ -272,6 +272,13 @@ def validate(cfg: RunSections) -> list[str]:
         e.append(f"rollout.top_p: must be in (0, 1], got {r.top_p}")
     if cfg.mode == "colocate" and r.max_staleness != 0:
         e.append("rollout.max_staleness: colocate mode is strict on-policy and needs 0")
+    timed = r.max_staleness != 0 or cfg.services.rollout_workers != 1
+    if cfg.train.deterministic and cfg.mode == "async" and timed:
+        e.append(
+            "train.deterministic: an async run repeats only at rollout.max_staleness 0 with "
+            "services.rollout_workers 1 (otherwise timing decides what each step trains); "
+            "set both, or train.deterministic: false"
+        )
     positive(e, "rollout.max_staleness", r.max_staleness, allow_zero=True)
     _check_services(e, cfg)
     _check_env(e, cfg)

@@ -309,6 +309,10 @@ class TrainConfig:
     """RL steps per Flyte node; the workflow recurses with a checkpoint between nodes."""
     torch_threads: int = 0
     """torch intra-op threads (0 = torch's default)."""
+    deterministic: bool = False
+    """Repeat bit for bit on the same machine (docs/operations.md#reproducibility): torch's
+    deterministic kernels, and the async trainer on a fixed thread count (services.trainer_threads,
+    else every usable core) instead of the cores other roles leave idle."""
     backend: str = "torch"
     """'torch' (one process, transformers + AdamW: the CPU default), 'fsdp' (the same, sharded
     with FSDP2 over services.trainer_gpus) or 'megatron' (Megatron-core: TP/PP/CP/EP,

@@ -99,7 +99,8 @@ class ServicesConfig:
     """torch threads of each rollout (and reference, actor_fwd) process."""
     trainer_threads: int = 0
     """torch threads of the trainer; 0 = elastic: the cores the other local roles leave idle
-    (a rollout waiting at the staleness bound lends its core to the trainer)."""
+    (a rollout waiting at the staleness bound lends its core to the trainer); under
+    train.deterministic, 0 = every usable core, fixed."""
     drop_over_stale: bool = False
     """Backstop: drop whole groups older than max_staleness at the trainer (counted in
     queue/dropped_stale_groups). Admission control already bounds staleness; this only matters

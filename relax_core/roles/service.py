@@ -22,6 +22,7 @@ from relax_core.queue import TransferQueue, open_queue
 from relax_core.queue.retry import set_outage_limit
 from relax_core.storage import where
 from relax_core.train.checkpoint import local_checkpoint
+from relax_core.train.determinism import use_deterministic_kernels
 from relax_core.train.factory import TRAINER_ONLY
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ def run_role(
 ) -> None:
     """Serve `role` in this process until the run stops (a Flyte task calls this directly)."""
     set_outage_limit(cfg.storage.outage_limit_s)
+    use_deterministic_kernels(cfg.train.deterministic)
     queue = open_queue(cfg.queue, run_id)
     # Only the trainer loads optimizer state and master weights: the others never download them.
     skip = () if role == "trainer" else TRAINER_ONLY

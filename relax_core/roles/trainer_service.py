@@ -119,6 +119,11 @@ class AsyncTrainer:
 
             self.backend = LeaderBackend(self.backend, Channel())
         self.cores = CoreShare.from_env(ctx.name) if s.trainer_threads == 0 else None
+        if self.cores is not None and cfg.train.deterministic:
+            # CPU kernels sum in an order that depends on the thread count: a fixed one, all
+            # the cores (what an elastic trainer takes while no other role computes).
+            torch.set_num_threads(self.cores.cores)
+            self.cores = None
         self.threads_used: list[int] = []
         if self.cores is not None:
             self.backend.before_micro_batch = self._take_free_cores

@@ -28,6 +28,7 @@ from relax_core.storage import is_committed, join, parent, where, write_json
 from relax_core.tracking import format_summary
 from relax_core.tracking.runs import monitor_for, run_tags, tracking_uri_of
 from relax_core.train import checkpoint as ckpt
+from relax_core.train.determinism import use_deterministic_kernels
 from relax_core.train.loop import train_until
 
 log = logging.getLogger(__name__)
@@ -316,6 +317,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     preflight(cfg)
     if cfg.train.torch_threads:
         torch.set_num_threads(cfg.train.torch_threads)
+    use_deterministic_kernels(cfg.train.deterministic)
     spec = policy_spec_for(cfg, fingerprint(cfg.data.train_path))
     policy = prepare_policy(
         spec, cfg.checkpoint.policy_cache_dir, cfg.storage.options(), cfg.storage.scratch_dir

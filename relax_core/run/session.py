@@ -28,6 +28,7 @@ from relax_core.run.prepare import local_policy
 from relax_core.storage import join, local_cache, local_dir_for
 from relax_core.sync.inprocess import InProcessSync
 from relax_core.train import checkpoint as ckpt
+from relax_core.train.determinism import use_deterministic_kernels
 from relax_core.train.factory import has_training_state, make_backend, trainer_dtype
 from relax_core.train.queue_retention import prune_queue
 from relax_core.train.run_state import RunState, save_run_checkpoint
@@ -40,6 +41,7 @@ class RunSession:
         set_outage_limit(cfg.storage.outage_limit_s)
         if cfg.train.torch_threads:
             torch.set_num_threads(cfg.train.torch_threads)
+        use_deterministic_kernels(cfg.train.deterministic)
         # Async mode trains in its own trainer service: this session evaluates and writes the
         # first checkpoint, whatever backend that service uses.
         self.backend_name = "torch" if cfg.mode == "async" else cfg.train.backend

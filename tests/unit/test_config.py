@@ -67,6 +67,14 @@ def test_colocate_refuses_staleness():
         config_from_dict({"rollout": {"max_staleness": 2}})
 
 
+def test_a_deterministic_async_run_needs_staleness_zero_and_one_rollout_worker():
+    on_policy = {"mode": "async", "train": {"deterministic": True}}
+    assert config_from_dict({**on_policy, "rollout": {"max_staleness": 0}}).train.deterministic
+    for bad in ({"rollout": {"max_staleness": 1}}, {"services": {"rollout_workers": 2}}):
+        with pytest.raises(ConfigError, match="train.deterministic: an async run repeats only"):
+            config_from_dict({**on_policy, **bad})
+
+
 def test_ints_are_accepted_for_floats_and_section_can_be_replaced():
     cfg = config_from_dict({"train": {"lr": 1}})
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
