@@ -36,6 +36,7 @@ MODALITIES = {
 """The media kinds a policy of each model.kind reads."""
 TEMPLATES = ("plain", "chat")
 DTYPES = ("float32", "bfloat16")
+MATMUL_DTYPES = ("", "bfloat16")
 ENGINES = ("torch", "sglang")
 TINY_POSITIONS = 512
 """Positions of the tiny models (models/tiny.py): prompt + response must fit."""
@@ -173,20 +174,28 @@ def _check_routing_replay(e: list[str], cfg: RunSections) -> None:
         )
 
 
-def _check_float32_attention(e: list[str], cfg: RunSections) -> None:
+def _check_matmul_dtype(e: list[str], cfg: RunSections) -> None:
     m = cfg.model
-    if m.dtype == "float32":
-        e.append("model.float32_attention: attention is float32 already with model.dtype float32")
+    choice(e, "model.matmul_dtype", m.matmul_dtype, MATMUL_DTYPES)
+    if m.dtype != "float32":
+        e.append(
+            f"model.matmul_dtype: bf16 matmuls on float32 weights; with model.dtype {m.dtype!r} "
+            "every op runs in it already (use model.dtype float32)"
+        )
     if m.kind not in ("tiny-qwen3", "pretrained"):
         e.append(
-            f"model.float32_attention: needs a text policy (model.kind 'tiny-qwen3' or "
-            f"'pretrained'), not {m.kind!r}"
+            f"model.matmul_dtype: needs a text policy (model.kind 'tiny-qwen3' or 'pretrained'), "
+            f"not {m.kind!r}"
         )
-    if cfg.rollout.engine != "torch" or cfg.train.backend == "megatron":
+    if (
+        cfg.mode != "colocate"
+        or cfg.rollout.engine != "torch"
+        or cfg.train.backend != "torch"
+        or cfg.train.lora.rank > 0
+    ):
         e.append(
-            "model.float32_attention: SGLang and Megatron compute attention in model.dtype; it "
-            "needs rollout.engine 'torch' and train.backend 'torch' or 'fsdp', so engine and "
-            "trainer score alike"
+            "model.matmul_dtype: needs mode colocate, rollout.engine torch, train.backend torch "
+            "and no LoRA (an engine that computes as the trainer does, on its own weights)"
         )
 
 
@@ -197,8 +206,8 @@ def validate(cfg: RunSections) -> list[str]:
     m = cfg.model
     choice(e, "model.kind", m.kind, MODEL_KINDS)
     choice(e, "model.dtype", m.dtype, DTYPES)
-    if m.float32_attention:
-        _check_float32_attention(e, cfg)
+    if m.matmul_dtype:
+        _check_matmul_dtype(e, cfg)
     if m.kind == "pretrained" and not m.source:
         e.append("model.source: required when model.kind is 'pretrained'")
     if m.kind in QWEN_MULTIMODAL:

@@ -1,13 +1,15 @@
-"""Attention in float32 inside a bfloat16 policy (`model.float32_attention`).
+"""Attention in float32 inside a policy whose linear layers compute in bfloat16
+(`model.matmul_dtype`, precision.py).
 
-On a CPU with AVX512-BF16 but no AMX, torch's bfloat16 matmuls run about twice as fast as
-float32 ones, but its bfloat16 scaled-dot-product-attention kernels are slower than the float32
-ones (SmolLM2-135M: a decode step's attention 1.6 ms against 0.25 ms a layer, its training
-backward ~1.5x). This attention implementation runs transformers' SDPA attention on float32
-copies of the queries, keys and values, outside autocast, and returns the input dtype: the
-projections around it stay in bfloat16. It is registered under its own name through
-transformers' documented extension points (AttentionInterface, AttentionMaskInterface; SDPA's
-mask), and a policy opts in with `use_float32_attention`.
+Under autocast transformers' SDPA attention would run in bfloat16; this implementation runs it
+on float32 copies of the queries, keys and values, outside autocast, and returns the input
+dtype. Besides keeping the residual stream's numerics float32, it is the faster kernel on a CPU
+with AVX512-BF16 but no AMX: torch's bf16 SDPA kernels are slower there than its float32 ones
+(SmolLM2-135M: a decode step's attention 1.2-1.6 ms against 0.25 ms a layer, the training
+backward ~1.5x), while its bf16 matmuls run about twice as fast as float32 ones. It is
+registered under its own name through transformers' documented extension points
+(AttentionInterface, AttentionMaskInterface with SDPA's mask); `use_float32_attention` switches
+a policy to it.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def use_float32_attention(model: torch.nn.Module) -> None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not isinstance(base, PreTrainedModel):
         raise TypeError(
-            f"model.float32_attention: {type(base).__name__} is not a transformers model, whose "
+            f"model.matmul_dtype: {type(base).__name__} is not a transformers model, whose "
             "attention implementation this sets; use it with a text policy"
         )
     base.set_attn_implementation(FLOAT32_SDPA)

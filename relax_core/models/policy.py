@@ -11,7 +11,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from relax_core.models.attention import use_float32_attention
 from relax_core.models.lora import has_adapter, load_adapter
 from relax_core.models.omni import SPEC_FILE as OMNI_SPEC_FILE
 from relax_core.models.omni import load_omni
@@ -20,13 +19,9 @@ PREPARED_MARKER = "PREPARED.json"
 """Written last into a prepared starting policy's directory (run/prepare.py): it is whole."""
 
 
-def load_policy(
-    directory: str, dtype: str = "float32", video_fps: float = 2.0, float32_attention: bool = False
-):
+def load_policy(directory: str, dtype: str = "float32", video_fps: float = 2.0):
     """(model, tokenizer) from a prepared policy or checkpoint directory; `video_fps` is the
-    frame rate a Qwen multimodal policy's videos are sampled at (model.video_fps);
-    `float32_attention` (model.float32_attention) switches a text policy's attention to
-    float32 (models/attention.py)."""
+    frame rate a Qwen multimodal policy's videos are sampled at (model.video_fps)."""
     hf_logging.disable_progress_bar()  # a weight-loading bar per node drowns the run's own bar
     if _is_qwen_multimodal(directory):
         from relax_core.multimodal.qwen import load_qwen_policy
@@ -38,8 +33,6 @@ def load_policy(
         else:
             model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype))
         tokenizer = AutoTokenizer.from_pretrained(directory)
-    if float32_attention:
-        use_float32_attention(model)
     if has_adapter(directory):  # a LoRA policy: base weights here, the adapter beside them
         load_adapter(model, directory)
     return model, for_generation(tokenizer)

@@ -25,9 +25,7 @@ def serve(ctx) -> None:
 
     cfg = ctx.cfg
     set_threads(cfg.services.rollout_threads)
-    model, tokenizer = load_policy(
-        ctx.checkpoint, cfg.model.dtype, float32_attention=cfg.model.float32_attention
-    )
+    model, tokenizer = load_policy(ctx.checkpoint, cfg.model.dtype)
     model = on_accelerator(model.eval().requires_grad_(False))
     if cfg.train.routing_replay:  # the proximal policy routes as the trainer will
         from relax_core.models.routing_replay import attach_routing_replay

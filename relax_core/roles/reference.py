@@ -70,9 +70,7 @@ def serve(ctx) -> None:
         start_policy = local_copy(start_policy, PREPARED_MARKER, options, scratch)
     else:
         start_policy = ctx.checkpoint
-    model, tokenizer = load_policy(
-        start_policy, cfg.model.dtype, float32_attention=cfg.model.float32_attention
-    )
+    model, tokenizer = load_policy(start_policy, cfg.model.dtype)
     frozen = []
     if cfg.algorithm.kl_coef > 0:
         frozen.append((on_accelerator(model.eval().requires_grad_(False)), "ref_logprobs"))

@@ -199,9 +199,7 @@ def _local_engine(ctx, state: dict[str, Any]):
     from relax_core.sync.buckets import specs_of
 
     cfg = ctx.cfg
-    model, tokenizer = load_policy(
-        ctx.checkpoint, cfg.model.dtype, float32_attention=cfg.model.float32_attention
-    )
+    model, tokenizer = load_policy(ctx.checkpoint, cfg.model.dtype)
     model = on_accelerator(model)
     if cfg.train.routing_replay:  # the engine records the experts the trainer replays
         from relax_core.models.routing_replay import attach_routing_replay

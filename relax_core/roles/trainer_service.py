@@ -200,11 +200,7 @@ class AsyncTrainer:
         from relax_core.models.policy import load_policy
 
         if self._eval_copy is None:
-            self._eval_copy, _ = load_policy(
-                self.ctx.checkpoint,
-                self.cfg.model.dtype,
-                float32_attention=self.cfg.model.float32_attention,
-            )
+            self._eval_copy, _ = load_policy(self.ctx.checkpoint, self.cfg.model.dtype)
         # What the backend publishes: every weight, or a LoRA policy's adapter (the copy's
         # frozen base is the trainer's).
         params = dict(synced_weights(self._eval_copy))

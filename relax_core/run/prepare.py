@@ -99,7 +99,7 @@ class PolicySpec:
             model["encoders_version"] = ENCODERS_VERSION
         if not self.model.num_experts:  # the MoE fields shape nothing of a dense policy
             model = {k: v for k, v in model.items() if k not in MOE_FIELDS}
-        model.pop("float32_attention")  # how the weights are used, not what they are
+        model.pop("matmul_dtype")  # how the weights are used, not what they are
         if self.model.chat_template:  # keyed by content: an edited file is a new policy
             model["chat_template"] = file_digest(self.model.chat_template)
         else:  # absent when unset, so policies without one keep their keys

@@ -17,6 +17,7 @@ from relax_core.config import RunConfig
 from relax_core.data.cursor import DatasetCursor
 from relax_core.models import lora
 from relax_core.models.policy import load_policy, load_teacher, on_accelerator
+from relax_core.models.precision import linear_layers_in
 from relax_core.models.routing_replay import attach_routing_replay
 from relax_core.queue import open_queue
 from relax_core.queue.retry import set_outage_limit
@@ -47,12 +48,7 @@ class RunSession:
         self.backend_name = "torch" if cfg.mode == "async" else cfg.train.backend
         # The trainer's parameters (float32 master weights); engine and reference hold copies
         # in model.dtype.
-        # The engine's and the reference's copies keep its attention implementation.
-        self.model, self.tokenizer = load_policy(
-            model_dir,
-            trainer_dtype(cfg, self.backend_name),
-            float32_attention=cfg.model.float32_attention,
-        )
+        self.model, self.tokenizer = load_policy(model_dir, trainer_dtype(cfg, self.backend_name))
         self.model = lora.for_run(self.model, cfg.train.lora, cfg.seed)
         self.pad_token_id = self.tokenizer.pad_token_id
         self.run_dir = join(cfg.checkpoint.dir, state.run_id)
@@ -66,7 +62,7 @@ class RunSession:
         if cfg.algorithm.kl_coef > 0 and lora.is_lora(self.model):
             self.ref_model = self.model
         elif cfg.algorithm.kl_coef > 0:
-            self.ref_model = on_accelerator(self._copy_in_model_dtype()).eval()
+            self.ref_model = on_accelerator(self._inference_copy()).eval()
             self.ref_model.requires_grad_(False)
         self.teacher_model = None
         if cfg.algorithm.distill_coef > 0:
@@ -112,10 +108,9 @@ class RunSession:
         if ref is not None and ref is not session.model and state.policy_dir:
             # The KL anchor is the starting policy, not the checkpoint being resumed.
             start = local_policy(state.policy_dir, options, scratch)
-            session.ref_model, _ = load_policy(
-                start, cfg.model.dtype, float32_attention=cfg.model.float32_attention
-            )
-            session.ref_model = on_accelerator(session.ref_model).eval().requires_grad_(False)
+            ref, _ = load_policy(start, cfg.model.dtype)
+            ref = on_accelerator(session._for_inference(ref))
+            session.ref_model = ref.eval().requires_grad_(False)
         session._restore_rng()
         return session
 
@@ -147,15 +142,22 @@ class RunSession:
         adapters, which weight sync updates: no second copy of the base. Otherwise a copy in
         model.dtype (the FSDP2 backend shards the trainer's tensors after this)."""
         if not (lora.is_lora(self.model) and self.backend_name == "torch"):
-            return self._copy_in_model_dtype()
+            return self._inference_copy()
         frozen = {id(p): p for p in self.model.parameters() if not p.requires_grad}
         return copy.deepcopy(self.model, memo=frozen)
 
-    def _copy_in_model_dtype(self) -> torch.nn.Module:
+    def _inference_copy(self) -> torch.nn.Module:
         """A copy of the policy in model.dtype (the trainer's may be float32 master weights;
-        LoRA adapters stay float32, as the trainer's)."""
+        LoRA adapters stay float32, as the trainer's) that computes as the trainer does."""
         copied = copy.deepcopy(self.model).to(getattr(torch, self.cfg.model.dtype))
-        return lora.adapters_in_float32(copied)
+        return self._for_inference(lora.adapters_in_float32(copied))
+
+    def _for_inference(self, model: torch.nn.Module) -> torch.nn.Module:
+        """`model` (an engine's or the KL reference's) with its linear layers in
+        model.matmul_dtype when that is set, as the trainer computes them under autocast."""
+        if not self.cfg.model.matmul_dtype:
+            return model
+        return linear_layers_in(model, getattr(torch, self.cfg.model.matmul_dtype))
 
     def ref_logprobs_context(self, model: torch.nn.Module):
         """What scoring `model` as the KL anchor runs under: the policy's adapters off when

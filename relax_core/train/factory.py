@@ -12,6 +12,8 @@ float32 gradients and AdamW state) whatever `model.dtype` is, and compute in `mo
 away. The engines receive `model.dtype` (the backend casts what it publishes); checkpoints hold
 the policy in `model.dtype` plus the float32 master weights beside the optimizer state (trainer
 only). Megatron keeps float32 main parameters in its own mixed-precision optimizer.
+`model.matmul_dtype` (torch backend, float32 `model.dtype`): autocast to it with float32
+attention, and the engines receive float32 (models/precision.py gives them the same numerics).
 
 fsdp and megatron run with the trainer's ranks in one process group: a trainer of one GPU forms
 it alone; over `services.trainer_gpus` > 1 GPUs the trainer runs under torchrun, one process per
@@ -37,9 +39,7 @@ def trainer_policy(cfg: RunConfig, checkpoint: str):
     from relax_core.models.policy import load_policy, load_tokenizer
 
     if cfg.train.backend != "megatron":
-        model, tokenizer = load_policy(
-            checkpoint, trainer_dtype(cfg), float32_attention=cfg.model.float32_attention
-        )
+        model, tokenizer = load_policy(checkpoint, trainer_dtype(cfg))
         return for_run(model, cfg.train.lora, cfg.seed), tokenizer
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -67,6 +67,7 @@ def make_backend(model, cfg: RunConfig, backend: str | None = None, source: str 
     a run's first checkpoint). `model` is loaded in `trainer_dtype(cfg, backend)`; Megatron
     reads each rank's shards from the policy directory `source` when given (`model` may then
     be a meta-device skeleton, see `trainer_policy`)."""
+    from relax_core.models.attention import use_float32_attention
     from relax_core.train.torch_backend import build_backend
 
     t = cfg.train
@@ -74,6 +75,12 @@ def make_backend(model, cfg: RunConfig, backend: str | None = None, source: str 
     if (backend or t.backend) == "torch":
         if torch.cuda.is_available():  # the trainer's GPU; log-probs come back to the CPU rows
             model.to("cuda")
+        if cfg.model.matmul_dtype:  # bf16 linear layers, the rest float32 (models/precision.py)
+            use_float32_attention(model)
+            matmuls = getattr(torch, cfg.model.matmul_dtype)
+            return build_backend(
+                model, t, cfg.rollout.temperature, compute_dtype=matmuls, weights_dtype=compute
+            )
         return build_backend(model, t, cfg.rollout.temperature, compute_dtype=compute)
     device = _trainer_group(cfg.services.trainer_gpus)
     if t.backend == "fsdp":

@@ -9,7 +9,9 @@ micro-batch with `routed_experts` runs with the policy's routers replaying them
 
 Mixed precision: the model's parameters are the float32 master weights (AdamW and its state in
 float32); with a `compute_dtype` (bf16) the forward runs under autocast and `named_weights` and the
-saved policy are cast to it, the float32 weights saved beside the optimizer state.
+saved policy are cast to it, the float32 weights saved beside the optimizer state. Under
+`model.matmul_dtype` the forward runs under autocast too, with float32 attention, but engines
+receive float32 weights (their linear layers round them as autocast does: models/precision.py).
 """
 
 from __future__ import annotations
@@ -190,11 +192,13 @@ class TorchBackend:
         lr_scale: Callable[[str], float] | None = None,
         scorer: torch.nn.Module | None = None,
         compute_dtype: torch.dtype | None = None,
+        weights_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model.train()
         master = next(model.parameters()).dtype
-        self.weights_dtype = compute_dtype or master
-        """The dtype engines receive and the saved policy is in (`model.dtype`)."""
+        self.weights_dtype = weights_dtype or compute_dtype or master
+        """The dtype engines receive and the saved policy is in (`model.dtype`): by default the
+        one the forward computes in; float32 under `model.matmul_dtype`."""
         self.autocast = compute_dtype if compute_dtype not in (None, master) else None
         """The dtype the forward computes in when it is not the parameters' own."""
         self.lr = lr
@@ -354,9 +358,11 @@ def build_backend(
     train: TrainConfig,
     temperature: float,
     compute_dtype: torch.dtype | None = None,
+    weights_dtype: torch.dtype | None = None,
 ) -> TorchBackend:
     """The trainer's backend for `model` (float32 master weights when `compute_dtype` is
-    narrower) under the run's `train` settings."""
+    narrower, unless `weights_dtype` keeps what engines receive float32) under the run's
+    `train` settings."""
     if train.routing_replay:
         attach_routing_replay(model)
     encoders = getattr(model, "is_encoder_parameter", None)
@@ -372,4 +378,5 @@ def build_backend(
         train.warmup_steps,
         lr_scale=scale,
         compute_dtype=compute_dtype,
+        weights_dtype=weights_dtype,
     )

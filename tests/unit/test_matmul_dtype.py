@@ -1,0 +1,149 @@
+"""model.matmul_dtype: bf16 linear layers on float32 weights. The engine's copy computes as the
+trainer does under autocast (bit for bit on the same input), weight updates reach it, padding
+stays masked, engine and trainer score sampled tokens alike, and the config refuses it where
+it does not apply."""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+
+import pytest
+import torch
+
+from relax_core.config import ConfigError, ModelConfig, load_config, replace
+from relax_core.models.attention import FLOAT32_SDPA, use_float32_attention
+from relax_core.models.precision import linear_layers_in
+from relax_core.models.tiny import build_char_tokenizer, build_tiny_qwen3
+from relax_core.rollout.engine import SamplingParams
+from relax_core.rollout.torch_engine import TorchEngine
+from relax_core.train.batch import make_micro_batch
+from relax_core.train.factory import make_backend
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Grouped-query attention (4 query heads on 2 key/value heads) and a tied LM head, as SmolLM2.
+SMALL = ModelConfig(
+    hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
+)
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+def _ids(tok, texts: list[str]) -> list[list[int]]:
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def _left_padded(tok, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), tok.pad_token_id)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+    return ids, mask
+
+
+def _trainer_logits(model, ids, mask) -> torch.Tensor:
+    """The trainer's forward: float32 weights, autocast to bf16, float32 attention."""
+    trainer = copy.deepcopy(model)
+    use_float32_attention(trainer)
+    with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
+        return trainer(input_ids=ids, attention_mask=mask).logits
+
+
+def test_the_engine_copy_computes_as_the_trainer_bit_for_bit(tok):
+    model = build_tiny_qwen3(SMALL, len(tok), seed=0)
+    engine_model = linear_layers_in(copy.deepcopy(model), BF16)
+    dtypes = {n: p.dtype for n, p in engine_model.named_parameters()}
+    assert dtypes["model.layers.0.mlp.up_proj.weight"] == BF16
+    assert dtypes["model.layers.0.input_layernorm.weight"] == torch.float32
+    assert dtypes["model.embed_tokens.weight"] == torch.float32  # tied: the LM head's too
+    assert engine_model.config._attn_implementation == FLOAT32_SDPA
+    ids, mask = _left_padded(tok, _ids(tok, ["12+34=", "5+6="]))
+    with torch.no_grad():
+        got = engine_model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(got, _trainer_logits(model, ids, mask))
+
+
+def test_weight_updates_reach_every_layer_of_the_engine_copy(tok):
+    """Weight sync copies float32 weights into the engine: its bf16 linear layers and the
+    tied LM head's cast (refreshed when the shared weight changes) follow them."""
+    model = build_tiny_qwen3(SMALL, len(tok), seed=0)
+    engine = TorchEngine(
+        linear_layers_in(copy.deepcopy(model), BF16), tok.eos_token_id, tok.pad_token_id
+    )
+    ids, mask = _left_padded(tok, _ids(tok, ["12+34=", "5+6="]))
+    with torch.no_grad():
+        engine.model(input_ids=ids, attention_mask=mask)  # the LM head casts the old weight
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    engine.update_weights(model.named_parameters(), version=1)
+    with torch.no_grad():
+        got = engine.model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(got, _trainer_logits(model, ids, mask))
+
+
+def test_padding_stays_masked(tok):
+    """The float32 attention is registered with SDPA's mask: a left-padded row reads as the row
+    alone (bf16 matmuls of another batch shape differ in rounding only); attending to its
+    padding would move it by far more."""
+    model = linear_layers_in(build_tiny_qwen3(SMALL, len(tok), seed=0), BF16)
+    short, long = _ids(tok, ["5+6=", "123+456="])
+    ids, mask = _left_padded(tok, [short, long])
+    with torch.no_grad():
+        alone = model(input_ids=torch.tensor([short])).logits[0, -1].float()
+        padded = model(input_ids=ids, attention_mask=mask).logits[0, -1].float()
+        unmasked = model(input_ids=ids).logits[0, -1].float()
+    assert (padded - alone).abs().max() < 0.02 < (unmasked - alone).abs().max()
+
+
+def _cfg(**sections):
+    return replace(load_config(os.path.join(REPO, "configs", "cpu-default.yaml")), **sections)
+
+
+def test_engine_and_trainer_score_sampled_tokens_alike(tok):
+    """The trainer (make_backend under matmul_dtype: autocast, float32 attention, float32
+    weights published) scores the engine's samples to within bf16 rounding of other shapes."""
+    cfg = _cfg(model={"matmul_dtype": "bfloat16"})
+    model = build_tiny_qwen3(SMALL, len(tok), seed=0)
+    engine = TorchEngine(
+        linear_layers_in(copy.deepcopy(model), BF16), tok.eos_token_id, tok.pad_token_id, seed=3
+    )
+    backend = make_backend(model, cfg)
+    assert {t.dtype for _, t in backend.named_weights()} == {torch.float32}
+    assert model.config._attn_implementation == FLOAT32_SDPA
+    prompts = _ids(tok, ["1+2=", "40+2=", "1+2=", "7*8=", "40+2=", "1+2="])
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=6))
+    responses = [c.response_ids for c in outs]
+    mb = make_micro_batch(
+        prompts, responses, [[1] * len(r) for r in responses], tok.pad_token_id, share_prompts=True
+    )
+    (logp,) = backend.logprobs([mb])
+    gap = torch.cat(
+        [logp[i, : len(c.logprobs)] - torch.tensor(c.logprobs) for i, c in enumerate(outs)]
+    )
+    assert gap.abs().max() < 0.02 and gap.mean().abs() < 0.005
+
+
+@pytest.mark.parametrize(
+    ("sections", "expected"),
+    [
+        (
+            {"model": {"dtype": "bfloat16"}},
+            "bf16 matmuls on float32 weights; with model.dtype 'bfloat16'",
+        ),
+        ({"model": {"kind": "tiny-omni"}}, "needs a text policy"),
+        ({"model": {"matmul_dtype": "float16"}}, "'float16' is not one of , bfloat16"),
+        ({"rollout": {"engine": "sglang"}}, "needs mode colocate, rollout.engine torch"),
+        ({"train": {"lora": {"rank": 8}}}, "needs mode colocate, rollout.engine torch"),
+    ],
+)
+def test_the_config_refuses_it_where_it_does_not_apply(sections, expected):
+    model = {"matmul_dtype": "bfloat16", **sections.get("model", {})}
+    others = {k: v for k, v in sections.items() if k != "model"}
+    with pytest.raises(ConfigError, match=re.escape(f"model.matmul_dtype: {expected}")):
+        _cfg(model=model, **others)
