@@ -1,6 +1,6 @@
 """A bare GRPO loop in plain PyTorch + transformers: the CPU default without an engine.
 
-Its own supervised warm start (the config's warm_start steps, lr and batch), then GRPO as the
+Its own supervised warm start (the config's warm_start steps, lr, batch and target), then GRPO as the
 config sets it, with held-out greedy accuracy every `--eval-every` steps; it stops at the first
 eval at >= step 0 + `--target`. Both do the engine's math in the engine's order of operations,
 so on one thread count a run gives the main job's weights and evals bit for bit: the warm
@@ -55,16 +55,20 @@ def response_logp(model, hidden, tokens, real, temperature: float) -> torch.Tens
     return torch.zeros(tokens.shape).masked_scatter(real, logp)
 
 
-def warm_start(model, tok, rows: list[dict], steps: int, lr: float, batch: int, seed: int) -> None:
+def warm_start(
+    model, tok, rows: list[dict], steps: int, lr: float, batch: int, seed: int, target: float
+) -> int:
     """Next-token loss on answer + EOS, token mean, the engine's batches for `seed`; as in the
-    engine, right padding masked and the LM head only where an answer token is predicted."""
+    engine, right padding masked and the LM head only where an answer token is predicted. With
+    a `target` accuracy, the engine's probe (held out; checked before the first step and every
+    10 steps: every answer token the greedy choice) ends it early. Returns the steps taken."""
     opt, rng, eos, pad = adamw(model, lr), random.Random(seed), tok.eos_token_id, tok.pad_token_id
     prompts = tok([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
     answers = [
         a + [eos] for a in tok([r["answer"] for r in rows], add_special_tokens=False)["input_ids"]
     ]
-    for _ in range(steps):
-        picks = rng.sample(range(len(rows)), min(batch, len(rows)))
+
+    def forward(picks: list[int]):
         p, width = len(prompts[picks[0]]), max(len(answers[i]) for i in picks)
         x = torch.tensor(
             [prompts[i] + answers[i] + [pad] * (width - len(answers[i])) for i in picks]
@@ -72,12 +76,38 @@ def warm_start(model, tok, rows: list[dict], steps: int, lr: float, batch: int, 
         mask = torch.arange(width) < torch.tensor([len(answers[i]) for i in picks]).unsqueeze(1)
         seen = torch.cat([torch.ones(len(picks), p, dtype=torch.long), mask.long()], 1)
         hidden = model.get_decoder()(input_ids=x, attention_mask=seen).last_hidden_state
-        logp = response_logp(model, hidden[:, p - 1 : p - 1 + width], x[:, p:], mask, 1.0)
+        return hidden[:, p - 1 : p - 1 + width], x[:, p:], mask
+
+    train, probe = list(range(len(rows))), []
+    if target > 0:
+        probe = sorted(
+            random.Random(f"warm-start-probe-{seed}").sample(train, min(256, len(rows) // 10))
+        )
+        train = [i for i in train if i not in set(probe)]
+
+    def probe_accuracy() -> float:
+        with torch.no_grad():
+            hidden, tokens, mask = forward(probe)
+            best = model.lm_head(hidden[mask]).argmax(-1)
+            hit = torch.ones(tokens.shape, dtype=torch.bool).masked_scatter(
+                mask, best == tokens[mask]
+            )
+            return float(hit.all(1).float().mean())
+
+    for step in range(steps + 1):
+        if probe and step % 10 == 0 and probe_accuracy() >= target:
+            return step
+        if step == steps:
+            return step
+        picks = [train[i] for i in rng.sample(range(len(train)), min(batch, len(train)))]
+        hidden, tokens, mask = forward(picks)
+        logp = response_logp(model, hidden, tokens, mask, 1.0)
         loss = -(logp * mask.float()).sum() / mask.float().sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+    return steps
 
 
 class BareGRPO:
@@ -236,7 +266,7 @@ def main() -> None:
     tok = build_char_tokenizer()
     model = build_tiny_qwen3(cfg.model, len(tok), seed)
     w = cfg.warm_start
-    warm_start(model, tok, rows, w.steps, w.lr, w.batch_size, seed)
+    warm_start(model, tok, rows, w.steps, w.lr, w.batch_size, seed, w.target_accuracy)
     loop = BareGRPO(model, tok, rows, cfg, seed, resolve_reward(cfg.reward.name))
     ids = torch.tensor(tok([r["prompt"] for r in held_out], add_special_tokens=False)["input_ids"])
     evals = [{"step": 0, "accuracy": loop.accuracy(ids, held_out), "time": time.time()}]

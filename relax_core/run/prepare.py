@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -44,6 +45,8 @@ from relax_core.storage import (
 
 MARKER = PREPARED_MARKER
 MOE_FIELDS = ("num_experts", "experts_per_token")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,8 @@ class PolicySpec:
             "model": model,
             "warm_start": dataclasses.asdict(self.warm_start),
         }
+        if not self.warm_start.target_accuracy:  # absent when unset: older policies keep keys
+            parts["warm_start"].pop("target_accuracy")  # type: ignore[attr-defined]
         if self.model.kind != "pretrained" or self.warm_start.steps > 0:
             # The seed draws a tiny policy's weights and a warm start's batches; a converted
             # pretrained policy is the same whatever it is (runs of several seeds share it).
@@ -139,7 +144,7 @@ def prepare_policy(
         tokenizer.chat_template = read_chat_template(spec.model.chat_template)
     info: dict[str, object] = {"key": spec.key()}
     if spec.warm_start.steps > 0:
-        info["warm_start_loss"] = _run_warm_start(spec, model, tokenizer)
+        info.update(_run_warm_start(spec, model, tokenizer))
 
     def build(staging: str) -> dict[str, object]:
         model.save_pretrained(staging, safe_serialization=True)
@@ -199,7 +204,8 @@ def _base_model(spec: PolicySpec, cache_dir: str):
     return load_policy(directory, spec.model.dtype)
 
 
-def _run_warm_start(cfg: PolicySpec, model, tokenizer) -> list[float]:
+def _run_warm_start(cfg: PolicySpec, model, tokenizer) -> dict[str, object]:
+    """Runs the warm start on `model`; what PREPARED.json records of it."""
     from relax_core.data.dataset import load_prompts
     from relax_core.data.templates import render_prompt
     from relax_core.train.warm_start import answer_example, warm_start
@@ -226,10 +232,33 @@ def _run_warm_start(cfg: PolicySpec, model, tokenizer) -> list[float]:
         pairs = zip(rows, prompt_ids, strict=True)
         examples = [answer_example(tokenizer, ids, row["answer"]) for row, ids in pairs]
     w = cfg.warm_start
-    losses = warm_start(
-        model, tokenizer, examples, w.steps, w.lr, w.batch_size, cfg.seed, media=media
+    result = warm_start(
+        model,
+        tokenizer,
+        examples,
+        w.steps,
+        w.lr,
+        w.batch_size,
+        cfg.seed,
+        media=media,
+        target_accuracy=w.target_accuracy,
     )
-    return [round(x, 4) for x in losses[:: max(1, len(losses) // 20)]]
+    losses = result.losses
+    info: dict[str, object] = {
+        "warm_start_loss": [round(x, 4) for x in losses[:: max(1, len(losses) // 20)]],
+        "warm_start_steps": result.steps,
+    }
+    if result.probe_accuracy is not None:
+        info["warm_start_probe_accuracy"] = round(result.probe_accuracy, 4)
+        if result.probe_accuracy < w.target_accuracy:
+            log.warning(
+                "warm start: the probe's accuracy is %.3f after warm_start.steps=%d, short of "
+                "warm_start.target_accuracy=%.3f; RL starts from there",
+                result.probe_accuracy,
+                result.steps,
+                w.target_accuracy,
+            )
+    return info
 
 
 def demonstration_examples(cfg: PolicySpec, model, tokenizer, rows, prompt_ids, media):

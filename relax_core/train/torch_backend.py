@@ -54,10 +54,28 @@ def response_logprobs(
 def _response_logprobs(
     model: PreTrainedModel, mb: MicroBatch, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden = response_hidden(model, mb)
     real = _real_response_tokens(mb)
+    return _token_logprobs(model, hidden, mb.response_ids, real, temperature)
+
+
+@torch.no_grad()
+def greedy_matches(model: PreTrainedModel, mb: MicroBatch) -> torch.Tensor:
+    """[B] bool: whether each row's loss-masked response tokens are all the model's most likely
+    next token given what precedes them (teacher forcing). For a row whose whole response is
+    trained, that is whether greedy decoding from its prompt gives exactly that response."""
+    real = _real_response_tokens(mb)
+    hidden = response_hidden(model, mb)
+    best = model.get_output_embeddings()(hidden[real]).argmax(-1)
+    hit = torch.ones(mb.response_ids.shape, dtype=torch.bool, device=best.device)
+    hit = hit.masked_scatter(real, best == mb.response_ids[real])
+    return (hit | (mb.loss_mask <= 0)).all(dim=1)
+
+
+def response_hidden(model: PreTrainedModel, mb: MicroBatch) -> torch.Tensor:
+    """[B, R, d]: the decoder's hidden state predicting each response token of `mb`."""
     if mb.shared is not None and mb.media is None:
-        hidden = _shared_prompt_hidden(model, mb)
-        return _token_logprobs(model, hidden, mb.response_ids, real, temperature)
+        return _shared_prompt_hidden(model, mb)
     if mb.media is not None and isinstance(model, MultimodalDecoder):  # M-RoPE positions
         inputs = model.decoder_inputs(mb.input_ids, mb.attention_mask, mb.media)
         hidden = model.get_decoder()(**inputs, attention_mask=mb.attention_mask).last_hidden_state
@@ -70,7 +88,7 @@ def _response_logprobs(
             input_ids=mb.input_ids, attention_mask=mb.attention_mask
         ).last_hidden_state
     index = mb.response_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-    return _token_logprobs(model, hidden.gather(1, index), mb.response_ids, real, temperature)
+    return hidden.gather(1, index)
 
 
 def _real_response_tokens(mb: MicroBatch) -> torch.Tensor:

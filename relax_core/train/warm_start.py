@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from relax_core.train.batch import MicroBatch, make_micro_batch
-from relax_core.train.torch_backend import TorchBackend
+from relax_core.train.torch_backend import TorchBackend, greedy_matches
 
 Example = tuple[list[int], list[int], list[int]]
 """(prompt_ids, response_ids, loss_mask): one supervised example."""
@@ -30,6 +30,24 @@ def answer_example(tokenizer: Any, prompt_ids: list[int], answer: str) -> Exampl
     return prompt_ids, response, [1] * len(response)
 
 
+PROBE_SIZE = 256
+"""Most examples a warm start with a target accuracy holds out to check it on."""
+CHECK_EVERY = 10
+"""Steps between two checks of the target accuracy."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartResult:
+    losses: list[float]
+    """The supervised loss of each step taken."""
+    probe_accuracy: float | None = None
+    """The probe's share answered right when the warm start ended (None without a target)."""
+
+    @property
+    def steps(self) -> int:
+        return len(self.losses)
+
+
 def warm_start(
     model: Any,
     tokenizer: Any,
@@ -39,23 +57,53 @@ def warm_start(
     batch_size: int,
     seed: int,
     media: list | None = None,
-) -> list[float]:
-    """Train `model` in place on (prompt_ids, response_ids, loss_mask) examples; returns the
-    loss per step. `media`: each example's encoder inputs (an omni policy), in example order."""
+    target_accuracy: float = 0.0,
+) -> WarmStartResult:
+    """Train `model` in place on (prompt_ids, response_ids, loss_mask) examples, `steps` steps
+    or, with a `target_accuracy`, until that share of a held-out probe of the examples has every
+    trained token as the model's greedy choice (checked before the first step and every
+    CHECK_EVERY steps; `steps` is then the most it takes). `media`: each example's encoder
+    inputs (an omni policy), in example order."""
     if not examples:
         raise ValueError("the warm start has no examples")
     backend = TorchBackend(model, lr=lr, grad_clip=1.0)
     rng = random.Random(seed)
-    losses = []
-    for _ in range(steps):
-        picks = rng.sample(range(len(examples)), min(batch_size, len(examples)))
-        mb = make_micro_batch(
-            [examples[i][0] for i in picks],
-            [examples[i][1] for i in picks],
-            [examples[i][2] for i in picks],
-            tokenizer.pad_token_id,
-        )
-        if media is not None:
-            mb = dataclasses.replace(mb, media=[media[i] for i in picks])
+    train, probe = list(range(len(examples))), None
+    if target_accuracy > 0:
+        size = min(PROBE_SIZE, len(examples) // 10)
+        if size < 1:
+            raise ValueError(
+                f"warm_start.target_accuracy: {len(examples)} examples are too few to hold out a "
+                "probe (10 at least); set it to 0"
+            )
+        # Its own stream, so the training batches of a seed depend only on the probe's size.
+        held = set(random.Random(f"warm-start-probe-{seed}").sample(train, size))
+        train = [i for i in train if i not in held]
+        probe = _batch(examples, media, sorted(held), tokenizer.pad_token_id)
+    losses: list[float] = []
+    accuracy = None
+    for step in range(steps + 1):
+        if probe is not None and step % CHECK_EVERY == 0:
+            accuracy = float(greedy_matches(model, probe.to(backend.device)).float().mean())
+            if accuracy >= target_accuracy:
+                break
+        if step == steps:
+            break
+        picks = [train[i] for i in rng.sample(range(len(train)), min(batch_size, len(train)))]
+        mb = _batch(examples, media, picks, tokenizer.pad_token_id)
         losses.append(backend.train_step([mb], _ce_loss)["sft_loss"])
-    return losses
+    if probe is not None and len(losses) % CHECK_EVERY:  # the last steps were not checked yet
+        accuracy = float(greedy_matches(model, probe.to(backend.device)).float().mean())
+    return WarmStartResult(losses, accuracy)
+
+
+def _batch(examples: list[Example], media: list | None, picks: list[int], pad: int) -> MicroBatch:
+    mb = make_micro_batch(
+        [examples[i][0] for i in picks],
+        [examples[i][1] for i in picks],
+        [examples[i][2] for i in picks],
+        pad,
+    )
+    if media is not None:
+        mb = dataclasses.replace(mb, media=[media[i] for i in picks])
+    return mb

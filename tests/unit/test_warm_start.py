@@ -1,0 +1,129 @@
+"""The supervised warm start: its greedy probe reads what greedy decoding would answer, and a
+target accuracy ends it as soon as the probe reaches it (and no later than warm_start.steps)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from relax_core.config import ConfigError, ModelConfig, config_from_dict
+from relax_core.models.tiny import build_char_tokenizer, build_tiny_qwen3
+from relax_core.run.prepare import PolicySpec
+from relax_core.train.batch import make_micro_batch
+from relax_core.train.torch_backend import greedy_matches
+from relax_core.train.warm_start import CHECK_EVERY, answer_example, warm_start
+
+SMALL = ModelConfig(
+    kind="tiny-qwen3", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+    intermediate_size=64,
+)  # fmt: skip
+
+
+def _prompts(tok, n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    texts = [f"{rng.randint(0, 99):02d}+{rng.randint(0, 99):02d}=" for _ in range(n)]
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def test_greedy_matches_is_what_greedy_decoding_answers():
+    tok = build_char_tokenizer()
+    model = build_tiny_qwen3(SMALL, len(tok), seed=3).eval()
+    prompts = _prompts(tok, 12)
+    x = torch.tensor(prompts)
+    with torch.no_grad():
+        out = model.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=3, do_sample=False,
+            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        )  # fmt: skip
+    greedy = [row[x.shape[1] :].tolist() for row in out]
+    # Each row's own greedy answer matches; the same answer with one token changed does not,
+    # unless the change falls on a token the loss mask leaves out.
+    changed = [[*r[:-1], (r[-1] + 1) % len(tok)] for r in greedy]
+    responses = [greedy[i] if i % 2 else changed[i] for i in range(len(prompts))]
+    masks = [[1] * 3 if i % 4 != 2 else [1, 1, 0] for i in range(len(prompts))]
+    mb = make_micro_batch(prompts, responses, masks, tok.pad_token_id)
+    got = greedy_matches(model, mb).tolist()
+    assert got == [i % 2 == 1 or i % 4 == 2 for i in range(len(prompts))]
+
+
+def _constant_answer_examples(tok, n: int):
+    return [answer_example(tok, p, "7") for p in _prompts(tok, n, seed=1)]
+
+
+def test_a_target_accuracy_ends_the_warm_start_once_the_probe_reaches_it():
+    tok = build_char_tokenizer()
+    examples = _constant_answer_examples(tok, 200)
+    model = build_tiny_qwen3(SMALL, len(tok), seed=0)
+    result = warm_start(model, tok, examples, 300, 0.01, 16, seed=0, target_accuracy=0.9)
+    assert result.probe_accuracy is not None and result.probe_accuracy >= 0.9
+    assert 0 < result.steps < 300 and result.steps % CHECK_EVERY == 0
+    # The policy it leaves answers the held-out kind of prompt as taught.
+    x = torch.tensor(_prompts(tok, 8, seed=9))
+    with torch.no_grad():
+        out = model.eval().generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=2, do_sample=False,
+            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        )  # fmt: skip
+    answers = tok.batch_decode(out[:, x.shape[1] :], skip_special_tokens=True)
+    assert sum(a == "7" for a in answers) >= 7
+
+    # Without a target it trains every step, and a target out of reach stops at the most.
+    model = build_tiny_qwen3(SMALL, len(tok), seed=0)
+    assert warm_start(model, tok, examples, 25, 0.01, 16, seed=0).steps == 25
+    model = build_tiny_qwen3(SMALL, len(tok), seed=0)
+    short = warm_start(model, tok, examples, 3, 1e-6, 16, seed=0, target_accuracy=1.0)
+    assert short.steps == 3 and short.probe_accuracy is not None and short.probe_accuracy < 1.0
+
+
+class _Recording(list):
+    """A list of examples that records which indices are read, in order."""
+
+    def __init__(self, items):
+        super().__init__(items)
+        self.reads: list[int] = []
+
+    def __getitem__(self, i):
+        self.reads.append(i)
+        return super().__getitem__(i)
+
+
+def test_the_probe_is_held_out_of_the_training_batches():
+    tok = build_char_tokenizer()
+    examples = _Recording(_constant_answer_examples(tok, 100))
+    model = build_tiny_qwen3(SMALL, len(tok), seed=0)
+    warm_start(model, tok, examples, 40, 0.01, 16, seed=0, target_accuracy=1.0)
+    # The probe's rows are read first, three times (prompt, response, mask) each; then only
+    # training rows.
+    probe = set(examples.reads[: 3 * 10])
+    trained = set(examples.reads[3 * 10 :])
+    assert len(probe) == 10 and len(trained) > 50
+    assert not probe & trained
+
+
+def test_too_few_examples_for_a_probe_are_refused():
+    tok = build_char_tokenizer()
+    model = build_tiny_qwen3(SMALL, len(tok), seed=0)
+    with pytest.raises(ValueError, match="too few to hold out a probe"):
+        warm_start(model, tok, _constant_answer_examples(tok, 9), 5, 0.01, 4, 0, None, 0.5)
+
+
+@pytest.mark.parametrize(
+    "warm, message",
+    [
+        ({"steps": 100, "target_accuracy": 1.5}, "must be in [0, 1], got 1.5"),
+        ({"steps": 0, "target_accuracy": 0.2}, "set warm_start.steps, the most steps to take"),
+    ],
+)
+def test_the_config_check_refuses_a_target_it_cannot_use(warm, message):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"warm_start": warm})
+    assert f"warm_start.target_accuracy: {message}" in str(info.value)
+
+
+def test_a_policy_without_a_target_keeps_its_cache_key():
+    base = config_from_dict({"warm_start": {"steps": 150}})
+    same = config_from_dict({"warm_start": {"steps": 150, "target_accuracy": 0.0}})
+    other = config_from_dict({"warm_start": {"steps": 150, "target_accuracy": 0.2}})
+    assert PolicySpec.of(base).key() == PolicySpec.of(same).key() != PolicySpec.of(other).key()
