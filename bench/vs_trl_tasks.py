@@ -65,6 +65,9 @@ def bench_config(
             "eval_every": eval_every,
             "checkpoint_every": 10_000,
             "steps_per_node": 10_000,
+            # Async at staleness 1 does not repeat bit for bit (timing decides what a step
+            # trains), so the knob is refused there; colocate keeps the config's.
+            **({"deterministic": False} if mode == "async" else {}),
         },
         **work_sections(work, experiment="bench-vs-trl", registered_model=""),
         **repo_data(cfg),

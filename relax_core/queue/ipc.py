@@ -1,16 +1,23 @@
-"""Arrow IPC (file format, zstd) encoding of row tables; decoding never trusts the bytes."""
+"""Arrow IPC (file format) encoding of row tables; decoding never trusts the bytes.
+
+Payloads bound for object storage are zstd-compressed (a third of the bytes on the wire); on a
+local disk they are not: there the CPU is the cost, and zstd took 0.48 ms to encode and 0.36 ms
+to decode a CPU-default step's 256 rows against 0.03 and 0.05 ms uncompressed. A reader needs
+no flag: the IPC file says how its buffers are compressed."""
 
 from __future__ import annotations
 
 import pyarrow as pa
 
-_WRITE_OPTIONS = pa.ipc.IpcWriteOptions(compression="zstd")
+_COMPRESSED = pa.ipc.IpcWriteOptions(compression="zstd")
+_PLAIN = pa.ipc.IpcWriteOptions()
 
 
-def encode_table(table: pa.Table) -> bytes:
-    """Serialize `table` as one Arrow IPC file with zstd-compressed buffers."""
+def encode_table(table: pa.Table, compress: bool = True) -> bytes:
+    """Serialize `table` as one Arrow IPC file, its buffers zstd-compressed if `compress`."""
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, table.schema, options=_WRITE_OPTIONS) as writer:
+    options = _COMPRESSED if compress else _PLAIN
+    with pa.ipc.new_file(sink, table.schema, options=options) as writer:
         writer.write_table(table)
     return sink.getvalue().to_pybytes()
 

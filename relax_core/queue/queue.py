@@ -150,7 +150,7 @@ class TransferQueue:
             raise ValueError(f"meta must be JSON-serializable: {err}") from err
         if not self._create_checked:
             self.probe()
-        data = encode_table(table)
+        data = encode_table(table, compress=not self.store.is_local)
         inline = len(data) <= self.inline_max_bytes
         payload = INLINE if inline else f"data/{stage}/{uuid.uuid4().hex}.arrow"
         if not inline:

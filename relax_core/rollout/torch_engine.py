@@ -226,20 +226,19 @@ class TorchEngine:
         first_version: int,
         last_version: torch.Tensor,
     ) -> list[Completion]:
-        out = []
-        for row, n in enumerate(lengths.tolist()):
-            out.append(
-                Completion(
-                    response_ids=tokens[row, :n].tolist(),
-                    logprobs=logprobs[row, :n].tolist(),
-                    finish_reason="stop" if bool(done[row]) else "length",
-                    policy_version=first_version,
-                    policy_version_max=(
-                        None if last_version[row] == first_version else int(last_version[row])
-                    ),
-                )
+        # Whole tensors to lists once: a tensor op per row costs more than the row's values.
+        ids, lps, finished = tokens.tolist(), logprobs.tolist(), done.tolist()
+        versions = last_version.tolist()
+        return [
+            Completion(
+                response_ids=ids[row][:n],
+                logprobs=lps[row][:n],
+                finish_reason="stop" if finished[row] else "length",
+                policy_version=first_version,
+                policy_version_max=None if versions[row] == first_version else versions[row],
             )
-        return out
+            for row, n in enumerate(lengths.tolist())
+        ]
 
     # ------------------------------------------------------------------ weights and control
     @torch.no_grad()
