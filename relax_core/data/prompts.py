@@ -76,8 +76,26 @@ class PromptSource:
             return None
         return self.media.inputs(self.rows[index].get("media"))
 
+    def _tokenize_text_prompts(self, indices: list[int]) -> None:
+        """Token ids of the text-only rows among `indices` not seen yet, in one tokenizer call
+        (what prompt_ids would give each; the batch call costs a fraction of one per row)."""
+        todo = [
+            i
+            for i in dict.fromkeys(indices)
+            if i not in self._ids and (self.media is None or not self.rows[i].get("media"))
+        ]
+        texts = [self._render(self.rows[i]["prompt"]) for i in todo]
+        todo = [i for i, text in zip(todo, texts, strict=True) if text]
+        texts = [text for text in texts if text]
+        if len(todo) < 2:
+            return
+        encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        for i, ids in zip(todo, encoded, strict=True):
+            self._ids[i] = list(ids)
+
     def take(self, cursor: DatasetCursor, n: int) -> tuple[list[PromptItem], DatasetCursor]:
         picks, cursor = self.sampler.take(cursor, n)
+        self._tokenize_text_prompts([i for _, i in picks])
         items = [
             PromptItem(e, i, self.rows[i], self.prompt_ids(i), self.media_inputs(i))
             for e, i in picks
