@@ -39,6 +39,7 @@ import random  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import torch.utils.deterministic  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 
@@ -116,6 +117,12 @@ class BareGRPO:
         self.reward, self.eos, self.pad = reward, tok.eos_token_id, tok.pad_token_id
         self.opt, self.gen = adamw(model, cfg.train.lr), torch.Generator().manual_seed(seed)
         self.ids: dict[int, list[int]] = {}  # prompt tokens, cached as the engine's source
+        # The engine's kernels: train.deterministic turns torch's deterministic ones on for the
+        # whole process (relax_core/train/determinism.py; fill_uninitialized_memory off, as
+        # there), so a comparison must do the same.
+        torch.use_deterministic_algorithms(cfg.train.deterministic, warn_only=True)
+        if cfg.train.deterministic:
+            torch.utils.deterministic.fill_uninitialized_memory = False
         self.epoch, self.pos, self.order = 0, 0, None
 
     def next_prompts(self, n: int) -> list[int]:
