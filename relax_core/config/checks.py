@@ -265,8 +265,6 @@ def validate(cfg: RunSections) -> list[str]:
     target = cfg.warm_start.target_accuracy
     if not 0.0 <= target <= 1.0:
         e.append(f"warm_start.target_accuracy: must be in [0, 1], got {target}")
-    elif target and not cfg.warm_start.steps:
-        e.append("warm_start.target_accuracy: set warm_start.steps, the most steps to take")
     choice(e, "data.template", cfg.data.template, TEMPLATES)
     positive(e, "data.eval_size", cfg.data.eval_size, allow_zero=True)
     r = cfg.rollout

@@ -74,7 +74,8 @@ class WarmStartConfig:
     """Prompts per supervised step."""
     target_accuracy: float = 0.0
     """Stop the warm start once the policy answers this share of a probe right (0 = train
-    exactly `steps`, which is then the most it trains). The probe is up to 256 train examples
+    exactly `steps`; otherwise `steps` is the most it trains, and steps 0 still means no warm
+    start, whatever the target). The probe is up to 256 train examples
     the warm start holds out, checked every 10 steps: the share whose trained response tokens
     are all the policy's greedy choice. A tiny policy learns at a pace its seed decides (one
     seed's policy is right a fifth of the time after 150 steps, another's after 450); a target

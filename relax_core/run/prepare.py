@@ -111,7 +111,8 @@ class PolicySpec:
             "model": model,
             "warm_start": dataclasses.asdict(self.warm_start),
         }
-        if not self.warm_start.target_accuracy:  # absent when unset: older policies keep keys
+        if not (self.warm_start.target_accuracy and self.warm_start.steps):
+            # Absent when it shapes nothing, so older policies keep their keys.
             parts["warm_start"].pop("target_accuracy")  # type: ignore[attr-defined]
         if self.model.kind != "pretrained" or self.warm_start.steps > 0:
             # The seed draws a tiny policy's weights and a warm start's batches; a converted
