@@ -1,8 +1,8 @@
 """A bare GRPO loop in plain PyTorch + transformers: the CPU default without an engine.
 
-Its own supervised warm start (the config's warm_start steps, lr, batch and target), then GRPO as the
-config sets it, with held-out greedy accuracy every `--eval-every` steps; it stops at the first
-eval at >= step 0 + `--target`. Both do the engine's math in the engine's order of operations,
+Its own supervised warm start (the config's warm_start steps, lr, batch and target), then GRPO
+as the config sets it, with held-out greedy accuracy every `--eval-every` steps; it stops at the
+first eval at >= step 0 + `--target`. Both do the engine's math in the engine's order of operations,
 so on one thread count a run gives the main job's weights and evals bit for bit: the warm
 start's initial weights, batches and masked token-mean loss; then per step the engine's prompt
 order, each distinct prompt prefilled once, the engine's sampler, finished rows leaving the
@@ -12,8 +12,8 @@ group-normalized advantages, PPO clip, token-mean loss, AdamW (0.9, 0.99), grad 
 `bench/overhead.py --check` compares the steps and lists what the engine does besides.
 
 Reuses from relax_core only the config reader, the dataset reader, the character tokenizer, the
-tiny Qwen3 builder (the same initial weights for a seed) and the config's reward function (the
-answer check). Prompts must share one length and the template be 'plain' (datasets/arithmetic).
+tiny Qwen3 builder (the same initial weights for a seed), the config's reward function (the
+answer check) and the process's kernel setting (train.deterministic). Prompts must share one length and the template be 'plain' (datasets/arithmetic).
 
     python bench/bare_grpo.py [--cfg configs/cpu-default.yaml] [--seed 0] [--target 0.30]
 
@@ -39,8 +39,9 @@ import random  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.utils.deterministic  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
+
+from relax_core.train.determinism import use_deterministic_kernels  # noqa: E402
 
 
 def adamw(model, lr: float) -> torch.optim.AdamW:
@@ -84,7 +85,8 @@ def warm_start(
         probe = sorted(
             random.Random(f"warm-start-probe-{seed}").sample(train, min(256, len(rows) // 10))
         )
-        train = [i for i in train if i not in set(probe)]
+        held = set(probe)
+        train = [i for i in train if i not in held]
 
     def probe_accuracy() -> float:
         with torch.no_grad():
@@ -117,12 +119,9 @@ class BareGRPO:
         self.reward, self.eos, self.pad = reward, tok.eos_token_id, tok.pad_token_id
         self.opt, self.gen = adamw(model, cfg.train.lr), torch.Generator().manual_seed(seed)
         self.ids: dict[int, list[int]] = {}  # prompt tokens, cached as the engine's source
-        # The engine's kernels: train.deterministic turns torch's deterministic ones on for the
-        # whole process (relax_core/train/determinism.py; fill_uninitialized_memory off, as
-        # there), so a comparison must do the same.
-        torch.use_deterministic_algorithms(cfg.train.deterministic, warn_only=True)
-        if cfg.train.deterministic:
-            torch.utils.deterministic.fill_uninitialized_memory = False
+        # The engine's kernels: train.deterministic sets them for the whole process, so a
+        # comparison must run on the same ones.
+        use_deterministic_kernels(cfg.train.deterministic)
         self.epoch, self.pos, self.order = 0, 0, None
 
     def next_prompts(self, n: int) -> list[int]:

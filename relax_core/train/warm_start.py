@@ -80,21 +80,22 @@ def warm_start(
         held = set(random.Random(f"warm-start-probe-{seed}").sample(train, size))
         train = [i for i in train if i not in held]
         probe = _batch(examples, media, sorted(held), tokenizer.pad_token_id)
+
+    def probe_accuracy() -> float | None:
+        if probe is None:
+            return None
+        return float(greedy_matches(model, probe.to(backend.device)).float().mean())
+
     losses: list[float] = []
-    accuracy = None
-    for step in range(steps + 1):
+    for step in range(steps):
         if probe is not None and step % CHECK_EVERY == 0:
-            accuracy = float(greedy_matches(model, probe.to(backend.device)).float().mean())
-            if accuracy >= target_accuracy:
-                break
-        if step == steps:
-            break
+            accuracy = probe_accuracy()
+            if accuracy is not None and accuracy >= target_accuracy:
+                return WarmStartResult(losses, accuracy)
         picks = [train[i] for i in rng.sample(range(len(train)), min(batch_size, len(train)))]
         mb = _batch(examples, media, picks, tokenizer.pad_token_id)
         losses.append(backend.train_step([mb], _ce_loss)["sft_loss"])
-    if probe is not None and len(losses) % CHECK_EVERY:  # the last steps were not checked yet
-        accuracy = float(greedy_matches(model, probe.to(backend.device)).float().mean())
-    return WarmStartResult(losses, accuracy)
+    return WarmStartResult(losses, probe_accuracy())
 
 
 def _batch(examples: list[Example], media: list | None, picks: list[int], pad: int) -> MicroBatch:
