@@ -24,36 +24,19 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.join(REPO, "bench"):
     sys.path[0] = REPO
 
 import argparse
-import json
 import shutil
 import statistics
 import tempfile
-import time
 
-from bench.common import add_pin_args, cpu_set, median_range, placement, prepared_policy, run_worker
-from bench.overhead import bench_config, engine_side
+from bench import overhead
+from bench.common import add_pin_args, cpu_set, median_range, prepared_policy, run_worker
 
 SIDES = ("on", "off")
 
 
 def worker(side: str, steps: int, warmup: int) -> None:
-    from relax_core.config import replace
-
-    work = tempfile.mkdtemp(prefix="relax-determinism-")
-    try:
-        cfg = bench_config(work)
-        policy = prepared_policy(cfg)
-        cfg = replace(cfg, train={"deterministic": side == "on"})
-        step = engine_side(cfg, policy).step
-        for _ in range(warmup):
-            step()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        s_per_step = (time.perf_counter() - t0) / steps
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps({**placement(), "side": side, "s_per_step": s_per_step}))
+    """bench/overhead.py's engine worker with the knob on or off."""
+    overhead.worker("engine", steps, warmup, train={"deterministic": side == "on"})
 
 
 def main() -> None:
@@ -68,7 +51,7 @@ def main() -> None:
         return worker(args.worker, args.steps, args.warmup)
     cpus = cpu_set(args.cpus)
     work = tempfile.mkdtemp(prefix="relax-determinism-")
-    prepared_policy(bench_config(work))  # the warm start once, here, so no worker times it
+    prepared_policy(overhead.bench_config(work))  # the warm start once, here, so no worker times it
     shutil.rmtree(work, ignore_errors=True)
     per_step: dict[str, list[float]] = {side: [] for side in SIDES}
     ratios = []

@@ -108,12 +108,16 @@ def bare_side(cfg, policy: str):
     return BareGRPO(model, tok, rows, cfg, cfg.seed, resolve_reward(cfg.reward.name))
 
 
-def worker(side: str, steps: int, warmup: int) -> None:
-    """Time `steps` steps of one side after `warmup` steps; print the result as JSON."""
+def worker(side: str, steps: int, warmup: int, train: dict | None = None) -> None:
+    """Time `steps` steps of one side after `warmup` steps; print the result as JSON. `train`:
+    train settings over the config's (they do not change the starting policy)."""
+    from relax_core.config import replace
+
     work = tempfile.mkdtemp(prefix="relax-overhead-")
     try:
         cfg = bench_config(work)
         policy = prepared_policy(cfg)
+        cfg = replace(cfg, train=train) if train else cfg
         if side == "engine":
             step = engine_phases(engine_side(cfg, policy))
         else:
