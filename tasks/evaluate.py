@@ -8,9 +8,11 @@ from dataclasses import dataclass
 from flytekit import task
 
 from relax_core.config import RunConfig
+from tasks.flyte_types import register_run_config
 from tasks.resources import registered
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+register_run_config()
 
 
 @dataclass

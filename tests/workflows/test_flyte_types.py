@@ -1,0 +1,33 @@
+"""The run config's Flyte type: built once, and exactly what flytekit's own transformer gives."""
+
+from __future__ import annotations
+
+from flytekit.core.context_manager import FlyteContextManager
+from flytekit.core.type_engine import DataclassTransformer, TypeEngine
+
+from relax_core.config import RunConfig, load_config, replace
+from tasks.flyte_types import OnceDataclassTransformer, register_run_config
+from workflows.train import train
+
+
+def test_run_config_literal_type_is_flytekits_and_built_once():
+    register_run_config()
+    register_run_config()  # idempotent: importing both task modules registers twice
+    assert isinstance(TypeEngine.get_transformer(RunConfig), OnceDataclassTransformer)
+    first = TypeEngine.to_literal_type(RunConfig)
+    assert TypeEngine.to_literal_type(RunConfig) is first
+    # The console's input form and the registered interface see flytekit's own type and schema.
+    assert first == DataclassTransformer().get_literal_type(RunConfig)
+    assert first.metadata["title"] == "RunConfig"
+    assert train.python_interface.inputs["cfg"] is RunConfig
+    assert train.interface.inputs["cfg"].type == first
+
+
+def test_run_config_travels_through_flyte_unchanged():
+    cfg = load_config("configs/cpu-default.yaml")
+    cfg = replace(cfg, seed=7, train={"total_steps": 3})
+    ctx = FlyteContextManager.current_context()
+    literal = TypeEngine.to_literal(ctx, cfg, RunConfig, TypeEngine.to_literal_type(RunConfig))
+    back = TypeEngine.to_python_value(ctx, literal, RunConfig)
+    assert back == cfg
+    assert back.train.total_steps == 3 and back.seed == 7
