@@ -6,7 +6,9 @@ node, a failed node is retried from the last checkpoint, and the policy preparat
 Only the first task takes the `RunConfig` dataclass (what `pyflyte run ... --cfg x.yaml` fills);
 it hands the others the validated config as canonical JSON text. flytekit rebuilds a nested
 dataclass's literal type for every task interface (~1.3 s each here), which made a third of
-a CPU run's wall time; a string costs nothing.
+a CPU run's wall time; a string costs nothing. The interfaces that do name `RunConfig` (this
+task, the `train` and `evaluate` workflows) share one build of its literal type
+(tasks/flyte_types.py).
 
 Resources are what a cluster schedules (local execution ignores them), decided from the run
 config by tasks/resources.py: the decorators carry the registration config's ($RELAX_CONFIG, else
@@ -32,9 +34,11 @@ from relax_core.config import RunConfig, config_to_dict
 from relax_core.config.sections import StorageConfig
 from relax_core.run import prepare
 from relax_core.storage import parent, where
+from tasks.flyte_types import register_run_config
 from tasks.resources import registered
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+register_run_config()
 
 
 @dataclass
@@ -73,9 +77,14 @@ def prepare_data(cfg: RunConfig) -> Prepared:
     """Validate everything a run needs before any work starts; returns the config as JSON and the
     train data fingerprint."""
     from relax_core.data.dataset import fingerprint
-    from relax_core.run.lifecycle import preflight
+    from relax_core.run.lifecycle import CLUSTER_ENV, preflight
+    from relax_core.tracking.runs import open_store_early
 
     preflight(cfg)
+    if not os.environ.get(CLUSTER_ENV):
+        # A local execution runs every task in this process: the tracking store opens while
+        # the policy is prepared. (In a pod the next task is another process.)
+        open_store_early(cfg)
     cfg_json = json.dumps(config_to_dict(cfg), sort_keys=True)
     return Prepared(
         cfg_json=cfg_json,

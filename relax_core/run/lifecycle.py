@@ -16,6 +16,7 @@ import os
 import secrets
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -26,7 +27,8 @@ from relax_core.run.prepare import MARKER, local_policy
 from relax_core.run.session import RunSession, RunState
 from relax_core.storage import is_committed, join, parent, where, write_json
 from relax_core.tracking import format_summary
-from relax_core.tracking.runs import monitor_for, run_tags, tracking_uri_of
+from relax_core.tracking.monitor import Monitor
+from relax_core.tracking.runs import monitor_for, open_store_early, run_tags, tracking_uri_of
 from relax_core.train import checkpoint as ckpt
 from relax_core.train.determinism import use_deterministic_kernels
 from relax_core.train.loop import train_until
@@ -162,18 +164,43 @@ def start_run(cfg: RunConfig, policy_dir: str) -> str:
         )
     run_id = f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     state = RunState(run_id=run_id, policy_dir=policy_dir, started_at=time.time())
-    session = RunSession(cfg, local_policy(policy_dir, options, cfg.storage.scratch_dir), state)
+    # Opening the MLflow run takes seconds (importing mlflow, a new store's schema, the
+    # server's round trips) and needs nothing from the policy: it runs while the session loads
+    # the policy and evaluates it. Its errors surface here all the same, before step 0's
+    # checkpoint; leaving the block waits for it whatever happened, and an MLflow run opened
+    # for a start that failed is ended FAILED (a retry opens its own).
+    with ThreadPoolExecutor(1, thread_name_prefix="relax-mlflow-start") as pool:
+        tracking = pool.submit(_open_tracking, cfg, state.run_id)
+        try:
+            policy = local_policy(policy_dir, options, cfg.storage.scratch_dir)
+            session = RunSession(cfg, policy, state)
+            try:
+                state.eval_before = ColocateController(session).evaluate()
+                monitor, state.tracking_run_id = tracking.result()
+                monitor.log_metrics(state.eval_before, step=0)
+                monitor.flush()
+                return session.save_checkpoint()
+            finally:
+                session.close()
+        except BaseException:
+            _end_failed(tracking)
+            raise
+
+
+def _open_tracking(cfg: RunConfig, run_id: str) -> tuple[Monitor, str]:
+    """A new run's monitor, started with the config as params; (monitor, MLflow run id)."""
+    monitor = monitor_for(cfg, run_id)
+    return monitor, monitor.start(dataclasses.asdict(cfg), run_tags(run_id, cfg.mode))
+
+
+def _end_failed(tracking: Future) -> None:
+    """End the MLflow run `tracking` opened, if it opened one, as FAILED (best effort: the
+    error being raised is the one that matters)."""
     try:
-        monitor = monitor_for(cfg, state.run_id, state.tracking_run_id)
-        state.tracking_run_id = monitor.start(
-            dataclasses.asdict(cfg), run_tags(state.run_id, cfg.mode)
-        )
-        state.eval_before = ColocateController(session).evaluate()
-        monitor.log_metrics(state.eval_before, step=0)
-        monitor.flush()
-        return session.save_checkpoint()
-    finally:
-        session.close()
+        monitor, _ = tracking.result()
+        monitor.finish("FAILED")
+    except Exception as exc:  # noqa: BLE001 - the start's own error is on its way up
+        log.warning("could not end the MLflow run of a failed start: %s", exc)
 
 
 def run_steps(cfg: RunConfig, checkpoint: str, max_steps: int) -> str:
@@ -315,6 +342,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     from relax_core.run.prepare import prepare_policy
 
     preflight(cfg)
+    open_store_early(cfg)  # opens while the policy is prepared
     if cfg.train.torch_threads:
         torch.set_num_threads(cfg.train.torch_threads)
     use_deterministic_kernels(cfg.train.deterministic)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,23 +30,12 @@ from relax_core.tracking.run_setup import (
     reopen_run,
     send_params_and_tags,
 )
+from relax_core.tracking.runs import default_tracking_uri
 from relax_core.tracking.spool import MAX_METRICS_PER_BATCH, MetricSpool, Spooled
 
 _log = logging.getLogger(__name__)
 
 _TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
-
-
-def default_tracking_uri(cwd: str | None = None) -> str:
-    """MLFLOW_TRACKING_URI when set, else a sqlite store `mlflow.db` in `cwd` (default: the CWD).
-
-    The sqlite path is made absolute so the URI still names the same store after a chdir.
-    """
-    from_env = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
-    if from_env:
-        return from_env
-    db = Path(cwd or os.getcwd()).resolve() / "mlflow.db"
-    return f"sqlite:///{db}"
 
 
 class MLflowMonitor:

@@ -3,17 +3,61 @@ to its run id and, in a pod, to its Flyte execution."""
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from importlib.metadata import version
+from pathlib import Path
 
 from relax_core.config import RunConfig
 from relax_core.tracking.monitor import Monitor
 
+_log = logging.getLogger(__name__)
+
+
+def default_tracking_uri(cwd: str | None = None) -> str:
+    """MLFLOW_TRACKING_URI when set, else a sqlite store `mlflow.db` in `cwd` (default: the CWD).
+
+    The sqlite path is made absolute so the URI still names the same store after a chdir.
+    """
+    from_env = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    if from_env:
+        return from_env
+    db = Path(cwd or os.getcwd()).resolve() / "mlflow.db"
+    return f"sqlite:///{db}"
+
 
 def tracking_uri_of(cfg: RunConfig) -> str:
-    from relax_core.tracking.mlflow_monitor import default_tracking_uri  # mlflow: seconds
-
     return cfg.tracking.tracking_uri or default_tracking_uri()
+
+
+_warming: dict[str, threading.Thread] = {}
+"""Tracking URI -> the thread opening its store ahead of the run (`open_store_early`)."""
+
+
+def open_store_early(cfg: RunConfig) -> None:
+    """Import mlflow and open the run's tracking store on a thread of its own, for a process
+    that goes on to start the run itself (the launcher; a local Flyte execution, where every task
+    runs in one process): the import and a new sqlite store's tables take seconds, which then
+    pass while the policy is prepared instead of before step 0. The first `monitor_for` of the
+    same store waits for it, so two threads never create one store's tables at once, and the
+    process does not exit mid-way through them. An error is left for that call to raise where
+    it belongs."""
+    uri = tracking_uri_of(cfg)
+    if uri in _warming:
+        return
+
+    def open_store() -> None:
+        try:
+            from mlflow import MlflowClient
+
+            MlflowClient(tracking_uri=uri)
+        except Exception as exc:  # noqa: BLE001 - the run's own first MLflow call raises it
+            _log.debug("opening the tracking store %s ahead of the run: %s", uri, exc)
+
+    thread = threading.Thread(target=open_store, name="relax-mlflow-open")
+    _warming[uri] = thread
+    thread.start()
 
 
 def monitor_for(cfg: RunConfig, run_id: str, tracking_run_id: str = "") -> Monitor:
@@ -22,6 +66,9 @@ def monitor_for(cfg: RunConfig, run_id: str, tracking_run_id: str = "") -> Monit
     from relax_core.tracking.mlflow_monitor import MLflowMonitor  # mlflow: seconds
     from relax_core.tracking.spool import MetricSpool, spool_dir_of
 
+    opening = _warming.get(tracking_uri_of(cfg))
+    if opening is not None:
+        opening.join()
     return MLflowMonitor(
         cfg.tracking.tracking_uri or None,
         cfg.tracking.experiment,
