@@ -164,11 +164,14 @@ def start_run(cfg: RunConfig, policy_dir: str) -> str:
         )
     run_id = f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     state = RunState(run_id=run_id, policy_dir=policy_dir, started_at=time.time())
-    # Opening the MLflow run takes seconds (importing mlflow, a new store's schema, the
-    # server's round trips) and needs nothing from the policy: it runs while the session loads
-    # the policy and evaluates it. Its errors surface here all the same, before step 0's
-    # checkpoint; leaving the block waits for it whatever happened, and an MLflow run opened
-    # for a start that failed is ended FAILED (a retry opens its own).
+    # Opening the MLflow run (a new store's tables, the server's round trips) needs nothing from
+    # the policy: it runs while the session loads the policy and evaluates it. mlflow is
+    # imported first, here: two threads importing it at once can each find the other's
+    # half-imported modules. Its errors surface here all the same, before step 0's checkpoint;
+    # leaving the block waits for it whatever happened, and an MLflow run opened for a start
+    # that failed is ended FAILED (a retry opens its own).
+    from relax_core.tracking import mlflow_monitor  # noqa: F401  (mlflow: seconds)
+
     with ThreadPoolExecutor(1, thread_name_prefix="relax-mlflow-start") as pool:
         tracking = pool.submit(_open_tracking, cfg, state.run_id)
         try:

@@ -36,21 +36,21 @@ _warming: dict[str, threading.Thread] = {}
 
 
 def open_store_early(cfg: RunConfig) -> None:
-    """Import mlflow and open the run's tracking store on a thread of its own, for a process
-    that goes on to start the run itself (the launcher; a local Flyte execution, where every task
-    runs in one process): the import and a new sqlite store's tables take seconds, which then
-    pass while the policy is prepared instead of before step 0. The first `monitor_for` of the
-    same store waits for it, so two threads never create one store's tables at once, and the
-    process does not exit mid-way through them. An error is left for that call to raise where
-    it belongs."""
+    """Open the run's tracking store on a thread of its own, for a process that goes on to start
+    the run itself (the launcher; a local Flyte execution, where every task runs in one
+    process): a new sqlite store creates its tables, which takes a second or so, while the policy
+    is prepared instead of before step 0. mlflow itself is imported here, on the calling thread:
+    two threads importing mlflow at once can each find the other's half-imported modules. The
+    first `monitor_for` of the same store waits for the thread, so two threads never create one
+    store's tables at once, and the process does not exit midway through them. An error is left
+    for that call to raise where it belongs."""
     uri = tracking_uri_of(cfg)
     if uri in _warming:
         return
+    from mlflow import MlflowClient  # mlflow: seconds
 
     def open_store() -> None:
         try:
-            from mlflow import MlflowClient
-
             MlflowClient(tracking_uri=uri)
         except Exception as exc:  # noqa: BLE001 - the run's own first MLflow call raises it
             _log.debug("opening the tracking store %s ahead of the run: %s", uri, exc)
@@ -63,12 +63,12 @@ def open_store_early(cfg: RunConfig) -> None:
 def monitor_for(cfg: RunConfig, run_id: str, tracking_run_id: str = "") -> Monitor:
     """The MLflow run a training run logs to: a new one, or `tracking_run_id` resumed. Metrics
     the tracking server cannot take while it is down are spooled under `storage.root`."""
-    from relax_core.tracking.mlflow_monitor import MLflowMonitor  # mlflow: seconds
-    from relax_core.tracking.spool import MetricSpool, spool_dir_of
-
     opening = _warming.get(tracking_uri_of(cfg))
     if opening is not None:
         opening.join()
+    from relax_core.tracking.mlflow_monitor import MLflowMonitor  # mlflow: seconds
+    from relax_core.tracking.spool import MetricSpool, spool_dir_of
+
     return MLflowMonitor(
         cfg.tracking.tracking_uri or None,
         cfg.tracking.experiment,

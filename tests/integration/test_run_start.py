@@ -88,3 +88,28 @@ def test_a_store_that_cannot_open_fails_where_the_run_logs(tmp_path):
     with pytest.raises(Exception, match="nosuchscheme"):
         monitor_for(cfg, "r1")
     assert not opening_threads()
+
+
+def test_the_launcher_runs_a_fresh_process_through_start_and_steps(tmp_path):
+    """A whole run in a new process, where nothing imported mlflow before: the store opens
+    ahead of the run, the MLflow run beside the step-0 eval, and both meet one import."""
+    import json
+    import subprocess
+    import sys
+
+    from relax_core.config import config_to_dict
+
+    cfg = replace(run_config(tmp_path), train={"total_steps": 2, "eval_every": 0})
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(config_to_dict(cfg)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    done = subprocess.run(
+        [sys.executable, "-m", "relax_core.entrypoints.run", "--cfg", str(path)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment)
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy")] == [0, 2]
