@@ -72,6 +72,8 @@ def make_backend(model, cfg: RunConfig, backend: str | None = None, source: str 
 
     t = cfg.train
     compute = getattr(torch, cfg.model.dtype)
+    # Without an entropy term the entropy is a metric: no graph is kept behind it.
+    entropy_grad = cfg.algorithm.entropy_coef > 0
     if (backend or t.backend) == "torch":
         if torch.cuda.is_available():  # the trainer's GPU; log-probs come back to the CPU rows
             model.to("cuda")
@@ -79,15 +81,27 @@ def make_backend(model, cfg: RunConfig, backend: str | None = None, source: str 
             use_float32_attention(model)
             matmuls = getattr(torch, cfg.model.matmul_dtype)
             return build_backend(
-                model, t, cfg.rollout.temperature, compute_dtype=matmuls, weights_dtype=compute
+                model,
+                t,
+                cfg.rollout.temperature,
+                compute_dtype=matmuls,
+                weights_dtype=compute,
+                entropy_grad=entropy_grad,
             )
-        return build_backend(model, t, cfg.rollout.temperature, compute_dtype=compute)
+        return build_backend(
+            model, t, cfg.rollout.temperature, compute_dtype=compute, entropy_grad=entropy_grad
+        )
     device = _trainer_group(cfg.services.trainer_gpus)
     if t.backend == "fsdp":
         from relax_core.train.fsdp import build_fsdp_backend
 
         return build_fsdp_backend(
-            model.to(device), t, cfg.rollout.temperature, device=device, compute_dtype=compute
+            model.to(device),
+            t,
+            cfg.rollout.temperature,
+            device=device,
+            compute_dtype=compute,
+            entropy_grad=entropy_grad,
         )
     from relax_core.train.megatron.backend import build_megatron_backend
     from relax_core.train.megatron.config import MegatronParallel

@@ -36,11 +36,12 @@ OPTIMIZER_FILE = "optimizer.pt"
 
 
 def response_logprobs(
-    model: PreTrainedModel, mb: MicroBatch, temperature: float
+    model: PreTrainedModel, mb: MicroBatch, temperature: float, entropy_grad: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprobs [B, R], entropy [B, R]) of the response tokens of `mb` under `model`."""
+    """(logprobs [B, R], entropy [B, R]) of the response tokens of `mb` under `model`; the
+    entropy is a metric only (no graph behind it) unless `entropy_grad`."""
     if mb.routed_experts is None:
-        return _response_logprobs(model, mb, temperature)
+        return _response_logprobs(model, mb, temperature, entropy_grad)
     routing = routing_of(model)
     if routing is None:
         raise ValueError(
@@ -48,15 +49,15 @@ def response_logprobs(
             "replay attached (models/routing_replay.attach_routing_replay)"
         )
     with routing.replay(mb.routed_experts):
-        return _response_logprobs(model, mb, temperature)
+        return _response_logprobs(model, mb, temperature, entropy_grad)
 
 
 def _response_logprobs(
-    model: PreTrainedModel, mb: MicroBatch, temperature: float
+    model: PreTrainedModel, mb: MicroBatch, temperature: float, entropy_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     hidden = response_hidden(model, mb)
     real = _real_response_tokens(mb)
-    return _token_logprobs(model, hidden, mb.response_ids, real, temperature)
+    return _token_logprobs(model, hidden, mb.response_ids, real, temperature, entropy_grad)
 
 
 @torch.no_grad()
@@ -106,16 +107,20 @@ def _token_logprobs(
     tokens: torch.Tensor,
     real: torch.Tensor,
     temperature: float,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs, entropy) [B, R] of `tokens` [B, R] from the hidden states predicting them,
     0 where `real` [B, R] is False. The LM head and the vocabulary-wide softmax run on the real
-    tokens only, not on a micro-batch's padding."""
+    tokens only, not on a micro-batch's padding. Without `entropy_grad` the entropy is computed
+    outside autograd: its [N, V] probabilities are not kept for a backward that never comes
+    (for a 150k vocabulary, 0.6 MB per token)."""
     logits = model.get_output_embeddings()(hidden[real]).float()  # [N, V]
     if temperature != 1.0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logprobs = logp_all.gather(-1, tokens[real].unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
     padded = torch.zeros(tokens.shape, dtype=logprobs.dtype, device=logprobs.device)
     return padded.masked_scatter(real, logprobs), padded.masked_scatter(real, entropy)
 
@@ -180,8 +185,10 @@ class ResponseScorer(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, mb: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        logprobs, entropy = response_logprobs(self.model, mb, temperature)
+    def forward(
+        self, mb: MicroBatch, temperature: float, entropy_grad: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        logprobs, entropy = response_logprobs(self.model, mb, temperature, entropy_grad)
         # A [B, R] copy: FSDP2 hooks its root's outputs for backward, which a view would not keep
         # if a loss modified it in place.
         return logprobs.clone(), entropy
@@ -211,8 +218,12 @@ class TorchBackend:
         scorer: torch.nn.Module | None = None,
         compute_dtype: torch.dtype | None = None,
         weights_dtype: torch.dtype | None = None,
+        entropy_grad: bool = True,
     ) -> None:
         self.model = model.train()
+        self.entropy_grad = entropy_grad
+        """Whether the loss differentiates the entropy (an entropy bonus); otherwise the entropy
+        the forward returns is a metric, computed outside autograd."""
         master = next(model.parameters()).dtype
         self.weights_dtype = weights_dtype or compute_dtype or master
         """The dtype engines receive and the saved policy is in (`model.dtype`): by default the
@@ -233,9 +244,9 @@ class TorchBackend:
 
     def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         if self.autocast is None:
-            return self.scorer(mb, self.temperature)
+            return self.scorer(mb, self.temperature, self.entropy_grad)
         with torch.autocast(self.device.type, dtype=self.autocast):
-            return self.scorer(mb, self.temperature)
+            return self.scorer(mb, self.temperature, self.entropy_grad)
 
     @property
     def device(self) -> torch.device:
@@ -377,10 +388,11 @@ def build_backend(
     temperature: float,
     compute_dtype: torch.dtype | None = None,
     weights_dtype: torch.dtype | None = None,
+    entropy_grad: bool = True,
 ) -> TorchBackend:
     """The trainer's backend for `model` (float32 master weights when `compute_dtype` is
     narrower, unless `weights_dtype` keeps what engines receive float32) under the run's
-    `train` settings."""
+    `train` settings; `entropy_grad`: the loss has an entropy term."""
     if train.routing_replay:
         attach_routing_replay(model)
     encoders = getattr(model, "is_encoder_parameter", None)
@@ -397,4 +409,5 @@ def build_backend(
         lr_scale=scale,
         compute_dtype=compute_dtype,
         weights_dtype=weights_dtype,
+        entropy_grad=entropy_grad,
     )

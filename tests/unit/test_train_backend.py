@@ -219,3 +219,28 @@ def test_shared_prompt_gradients_repeat_bit_for_bit_on_two_threads(tok):
         torch.set_num_threads(threads)
     for other in grads[1:]:
         assert torch.equal(grads[0], other)
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_entropy_is_differentiated_only_for_an_entropy_term(tok, entropy_grad):
+    """Without an entropy bonus the entropy is a metric: same values, no graph kept behind its
+    [N, V] probabilities; with one, the entropy's gradient reaches the weights."""
+    model, prompts, outs = _rollout(tok)
+    backend = TorchBackend(model, lr=1e-3, grad_clip=0.0, entropy_grad=entropy_grad)
+    mb = _mb(tok, prompts, outs, range(8), [0.0] * 8)
+    logprobs, entropy = backend._forward(mb)
+    assert logprobs.requires_grad
+    assert entropy.requires_grad == entropy_grad
+    reference = TorchBackend(copy.deepcopy(model), lr=1e-3)._forward(mb)[1]
+    assert torch.equal(entropy.detach(), reference.detach())
+    assert float(entropy.sum()) > 0
+
+    def entropy_bonus(logprobs, entropy, mb):
+        inputs = LossInputs(
+            logprobs, logprobs.detach(), mb.extras["advantages"], mb.loss_mask, entropy=entropy
+        )
+        return grpo_loss(inputs, LossSettings(entropy_coef=0.1), num_tokens=8.0)
+
+    if entropy_grad:  # zero advantages: the entropy term alone moves the weights
+        backend.train_step([mb], entropy_bonus)
+        assert any(float(p.grad.abs().sum()) > 0 for p in model.parameters())
