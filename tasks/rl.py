@@ -77,14 +77,9 @@ def prepare_data(cfg: RunConfig) -> Prepared:
     """Validate everything a run needs before any work starts; returns the config as JSON and the
     train data fingerprint."""
     from relax_core.data.dataset import fingerprint
-    from relax_core.run.lifecycle import CLUSTER_ENV, preflight
-    from relax_core.tracking.runs import open_store_early
+    from relax_core.run.lifecycle import preflight
 
     preflight(cfg)
-    if not os.environ.get(CLUSTER_ENV):
-        # A local execution runs every task in this process: the tracking store opens while
-        # the policy is prepared. (In a pod the next task is another process.)
-        open_store_early(cfg)
     cfg_json = json.dumps(config_to_dict(cfg), sort_keys=True)
     return Prepared(
         cfg_json=cfg_json,

@@ -28,7 +28,7 @@ from relax_core.run.session import RunSession, RunState
 from relax_core.storage import is_committed, join, parent, where, write_json
 from relax_core.tracking import format_summary
 from relax_core.tracking.monitor import Monitor
-from relax_core.tracking.runs import monitor_for, open_store_early, run_tags, tracking_uri_of
+from relax_core.tracking.runs import monitor_for, run_tags, tracking_uri_of
 from relax_core.train import checkpoint as ckpt
 from relax_core.train.determinism import use_deterministic_kernels
 from relax_core.train.loop import train_until
@@ -345,7 +345,6 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     from relax_core.run.prepare import prepare_policy
 
     preflight(cfg)
-    open_store_early(cfg)  # opens while the policy is prepared
     if cfg.train.torch_threads:
         torch.set_num_threads(cfg.train.torch_threads)
     use_deterministic_kernels(cfg.train.deterministic)

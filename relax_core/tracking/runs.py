@@ -3,16 +3,12 @@ to its run id and, in a pod, to its Flyte execution."""
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 from importlib.metadata import version
 from pathlib import Path
 
 from relax_core.config import RunConfig
 from relax_core.tracking.monitor import Monitor
-
-_log = logging.getLogger(__name__)
 
 
 def default_tracking_uri(cwd: str | None = None) -> str:
@@ -31,41 +27,9 @@ def tracking_uri_of(cfg: RunConfig) -> str:
     return cfg.tracking.tracking_uri or default_tracking_uri()
 
 
-_warming: dict[str, threading.Thread] = {}
-"""Tracking URI -> the thread opening its store ahead of the run (`open_store_early`)."""
-
-
-def open_store_early(cfg: RunConfig) -> None:
-    """Open the run's tracking store on a thread of its own, for a process that goes on to start
-    the run itself (the launcher; a local Flyte execution, where every task runs in one
-    process): a new sqlite store creates its tables, which takes a second or so, while the policy
-    is prepared instead of before step 0. mlflow itself is imported here, on the calling thread:
-    two threads importing mlflow at once can each find the other's half-imported modules. The
-    first `monitor_for` of the same store waits for the thread, so two threads never create one
-    store's tables at once, and the process does not exit midway through them. An error is left
-    for that call to raise where it belongs."""
-    uri = tracking_uri_of(cfg)
-    if uri in _warming:
-        return
-    from mlflow import MlflowClient  # mlflow: seconds
-
-    def open_store() -> None:
-        try:
-            MlflowClient(tracking_uri=uri)
-        except Exception as exc:  # noqa: BLE001 - the run's own first MLflow call raises it
-            _log.debug("opening the tracking store %s ahead of the run: %s", uri, exc)
-
-    thread = threading.Thread(target=open_store, name="relax-mlflow-open")
-    _warming[uri] = thread
-    thread.start()
-
-
 def monitor_for(cfg: RunConfig, run_id: str, tracking_run_id: str = "") -> Monitor:
     """The MLflow run a training run logs to: a new one, or `tracking_run_id` resumed. Metrics
     the tracking server cannot take while it is down are spooled under `storage.root`."""
-    opening = _warming.get(tracking_uri_of(cfg))
-    if opening is not None:
-        opening.join()
     from relax_core.tracking.mlflow_monitor import MLflowMonitor  # mlflow: seconds
     from relax_core.tracking.spool import MetricSpool, spool_dir_of
 

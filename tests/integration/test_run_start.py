@@ -1,5 +1,5 @@
-"""Starting a run: the MLflow run opens beside the step-0 eval, the store ahead of the run, and a
-start that fails leaves no MLflow run behind marked as still running."""
+"""Starting a run: the MLflow run opens beside the step-0 eval, and a start that fails leaves no
+MLflow run behind marked as still running."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from relax_core.config import load_config, replace
 from relax_core.data.dataset import fingerprint
 from relax_core.run import lifecycle
 from relax_core.run.prepare import PolicySpec, prepare_policy
-from relax_core.tracking.runs import monitor_for, open_store_early
 from relax_core.train.checkpoint import read_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,7 +50,6 @@ def opening_threads() -> list[threading.Thread]:
 def test_start_records_step_0_in_the_run_it_opened(tmp_path):
     torch.set_num_threads(1)
     cfg = run_config(tmp_path)
-    open_store_early(cfg)
     checkpoint = lifecycle.start_run(cfg, policy_of(cfg))
     assert not opening_threads()
     state = read_state(checkpoint)
@@ -82,17 +80,9 @@ def test_a_failed_start_ends_its_mlflow_run_failed(tmp_path):
     assert not os.path.exists(cfg.checkpoint.dir) or not os.listdir(cfg.checkpoint.dir)
 
 
-def test_a_store_that_cannot_open_fails_where_the_run_logs(tmp_path):
-    cfg = replace(run_config(tmp_path), tracking={"tracking_uri": "nosuchscheme://nowhere"})
-    open_store_early(cfg)  # nothing raised here: the error belongs to the run's first call
-    with pytest.raises(Exception, match="nosuchscheme"):
-        monitor_for(cfg, "r1")
-    assert not opening_threads()
-
-
 def test_the_launcher_runs_a_fresh_process_through_start_and_steps(tmp_path):
-    """A whole run in a new process, where nothing imported mlflow before: the store opens
-    ahead of the run, the MLflow run beside the step-0 eval, and both meet one import."""
+    """A whole run in a new process, where nothing imported mlflow before the MLflow run opens
+    beside the step-0 eval."""
     import json
     import subprocess
     import sys
