@@ -279,7 +279,7 @@ def _run_report_deck(cfg: RunConfig, mlflow_run_id: str) -> None:
     """The report as a Deck; a report that cannot be built costs the deck, not the run."""
     from flytekit import Deck
 
-    from relax_core.tracking.mlflow_monitor import default_tracking_uri
+    from relax_core.tracking.store import default_tracking_uri
 
     try:
         from relax_core.tracking.report import run_report_html

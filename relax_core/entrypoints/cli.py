@@ -32,7 +32,7 @@ def run_compare(args: argparse.Namespace) -> int:
     """Print the MLflow UI URL comparing the runs; one line per run on stderr."""
     # mlflow is imported here so `relax queue` does not pay for it.
     from relax_core.tracking import compare
-    from relax_core.tracking.mlflow_monitor import default_tracking_uri
+    from relax_core.tracking.store import default_tracking_uri
 
     if len(args.refs) < 2:
         print("error: relax compare needs at least two runs", file=sys.stderr)

@@ -32,9 +32,9 @@ def run(args: argparse.Namespace) -> int:
     # mlflow is imported here so other `relax` commands do not pay for it.
     from mlflow.tracking import MlflowClient
 
-    from relax_core.tracking.mlflow_monitor import default_tracking_uri
     from relax_core.tracking.outage import brief, is_outage
     from relax_core.tracking.spool import SPOOL_DIR, MetricSpool, spool_dir_of
+    from relax_core.tracking.store import default_tracking_uri
 
     root = args.root.rstrip("/")
     directory = root if root.endswith(SPOOL_DIR) else spool_dir_of(root)

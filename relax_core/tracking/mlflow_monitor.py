@@ -30,8 +30,8 @@ from relax_core.tracking.run_setup import (
     reopen_run,
     send_params_and_tags,
 )
-from relax_core.tracking.runs import default_tracking_uri
 from relax_core.tracking.spool import MAX_METRICS_PER_BATCH, MetricSpool, Spooled
+from relax_core.tracking.store import default_tracking_uri
 
 _log = logging.getLogger(__name__)
 

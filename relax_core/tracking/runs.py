@@ -5,22 +5,10 @@ from __future__ import annotations
 
 import os
 from importlib.metadata import version
-from pathlib import Path
 
 from relax_core.config import RunConfig
 from relax_core.tracking.monitor import Monitor
-
-
-def default_tracking_uri(cwd: str | None = None) -> str:
-    """MLFLOW_TRACKING_URI when set, else a sqlite store `mlflow.db` in `cwd` (default: the CWD).
-
-    The sqlite path is made absolute so the URI still names the same store after a chdir.
-    """
-    from_env = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
-    if from_env:
-        return from_env
-    db = Path(cwd or os.getcwd()).resolve() / "mlflow.db"
-    return f"sqlite:///{db}"
+from relax_core.tracking.store import default_tracking_uri
 
 
 def tracking_uri_of(cfg: RunConfig) -> str:

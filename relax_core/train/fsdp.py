@@ -41,13 +41,8 @@ from relax_core.train.data_parallel import (
     sum_over_group,
     zero_weighted,
 )
-from relax_core.train.torch_backend import (
-    ResponseScorer,
-    TorchBackend,
-    build_backend,
-    read_master_weights,
-    save_master_weights,
-)
+from relax_core.train.master_weights import read_master_weights, save_master_weights
+from relax_core.train.torch_backend import ResponseScorer, TorchBackend, build_backend
 
 OPTIMIZER_DIR = "optim"
 OPTIMIZER_FILE = "optimizer.pt"

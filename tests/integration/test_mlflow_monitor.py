@@ -10,11 +10,9 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 import pytest
 from mlflow.tracking import MlflowClient
 
-from relax_core.tracking.mlflow_monitor import (
-    MLflowMonitor,
-    default_tracking_uri,
-)
+from relax_core.tracking.mlflow_monitor import MLflowMonitor
 from relax_core.tracking.monitor import PARAM_VALUE_MAX_CHARS, flatten_params
+from relax_core.tracking.store import default_tracking_uri
 
 EXPERIMENT = "relax-test"
 PARAMS = {"algo": {"name": "grpo", "eps_clip": 0.2}, "optim": {"lr": 1e-6}, "seed": 7}
