@@ -199,6 +199,8 @@ def _open_tracking(cfg: RunConfig, run_id: str) -> tuple[Monitor, str]:
 def _end_failed(tracking: Future) -> None:
     """End the MLflow run `tracking` opened, if it opened one, as FAILED (best effort: the
     error being raised is the one that matters)."""
+    if tracking.exception() is not None:
+        return  # no MLflow run was opened
     try:
         monitor, _ = tracking.result()
         monitor.finish("FAILED")

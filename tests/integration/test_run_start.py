@@ -103,3 +103,13 @@ def test_the_launcher_runs_a_fresh_process_through_start_and_steps(tmp_path):
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy")] == [0, 2]
+
+
+def test_a_tracking_store_that_cannot_open_fails_the_start_with_its_own_error(tmp_path, caplog):
+    torch.set_num_threads(1)
+    cfg = replace(run_config(tmp_path), tracking={"tracking_uri": "nosuchscheme://nowhere"})
+    with pytest.raises(Exception, match="nosuchscheme"):
+        lifecycle.start_run(cfg, policy_of(cfg))
+    assert not opening_threads()
+    assert "could not end the MLflow run" not in caplog.text
+    assert not os.path.exists(cfg.checkpoint.dir) or not os.listdir(cfg.checkpoint.dir)
