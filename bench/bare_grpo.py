@@ -13,7 +13,8 @@ group-normalized advantages, PPO clip, token-mean loss, AdamW (0.9, 0.99), grad 
 
 Reuses from relax_core only the config reader, the dataset reader, the character tokenizer, the
 tiny Qwen3 builder (the same initial weights for a seed), the config's reward function (the
-answer check) and the process's kernel setting (train.deterministic). Prompts must share one length and the template be 'plain' (datasets/arithmetic).
+answer check) and the process's kernel setting (train.deterministic). Prompts must share one
+length and the template be 'plain' (datasets/arithmetic).
 
     python bench/bare_grpo.py [--cfg configs/cpu-default.yaml] [--seed 0] [--target 0.30]
 

@@ -3,7 +3,7 @@
 flytekit's dataclass transformer builds a dataclass's literal type (its fields' types and the
 JSON schema the Flyte console draws the input form from) again for every task and workflow
 interface that names it, and for every nested section inside it. For `RunConfig` that is a whole
-schema tree per interface (~0.5 s each on 2 CPU cores), paid by every `pyflyte run` and every pod
+schema tree per interface (0.6 s each on 2 idle CPU cores), paid by every `pyflyte run` and every pod
 that loads the workflow module before its task starts. This transformer is flytekit's own, with
 the literal type of `RunConfig` kept after the first build: the same type, schema and values.
 """

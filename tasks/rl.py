@@ -5,7 +5,7 @@ node, a failed node is retried from the last checkpoint, and the policy preparat
 
 Only the first task takes the `RunConfig` dataclass (what `pyflyte run ... --cfg x.yaml` fills);
 it hands the others the validated config as canonical JSON text. flytekit rebuilds a nested
-dataclass's literal type for every task interface (~1.3 s each here), which made a third of
+dataclass's literal type for every task interface (0.6-1.3 s each on 2 cores), which made a third of
 a CPU run's wall time; a string costs nothing. The interfaces that do name `RunConfig` (this
 task, the `train` and `evaluate` workflows) share one build of its literal type
 (tasks/flyte_types.py).
