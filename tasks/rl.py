@@ -77,8 +77,10 @@ def prepare_data(cfg: RunConfig) -> Prepared:
     """Validate everything a run needs before any work starts; returns the config as JSON and the
     train data fingerprint."""
     from relax_core.data.dataset import fingerprint
+    from relax_core.heap import freeze_heap
     from relax_core.run.lifecycle import preflight
 
+    freeze_heap()  # flytekit, the workflow's modules and the config: the task process keeps them
     preflight(cfg)
     cfg_json = json.dumps(config_to_dict(cfg), sort_keys=True)
     return Prepared(

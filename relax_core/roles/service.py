@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relax_core.config import RunConfig, load_config
+from relax_core.heap import freeze_heap
 from relax_core.queue import TransferQueue, open_queue
 from relax_core.queue.retry import set_outage_limit
 from relax_core.storage import where
@@ -117,6 +118,7 @@ def run_role(
     ctx = RoleContext(role, worker, cfg, run_id, local, queue, checkpoint_url=where(checkpoint))
     ctx.status["state"] = "starting"
     ctx.start_heartbeats()
+    freeze_heap()
     serve(ctx)
     if ctx.status.get("state") != "drained":  # an elastic engine removed mid-run says so
         ctx.status["state"] = "stopped"
@@ -170,6 +172,7 @@ def serve_stage(
     cores = CoreShare.from_env(ctx.name) if busy_threads else None
     ctx.status["state"] = f"serving {source} -> {target}"
     done, next_input, scanned = 0, 0, 0.0
+    freeze_heap()  # the role's model is loaded by now
     while not ctx.stopped():
         if before_entry is not None:
             before_entry()

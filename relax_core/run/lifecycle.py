@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from relax_core.config import ConfigError, RunConfig
+from relax_core.heap import freeze_heap
 from relax_core.run.colocate import ColocateController
 from relax_core.run.prepare import MARKER, local_policy
 from relax_core.run.session import RunSession, RunState
@@ -172,6 +173,8 @@ def start_run(cfg: RunConfig, policy_dir: str) -> str:
     # that failed is ended FAILED (a retry opens its own).
     from relax_core.tracking import mlflow_monitor  # noqa: F401  (mlflow: seconds)
 
+    freeze_heap()
+
     with ThreadPoolExecutor(1, thread_name_prefix="relax-mlflow-start") as pool:
         tracking = pool.submit(_open_tracking, cfg, state.run_id)
         try:
@@ -214,6 +217,7 @@ def run_steps(cfg: RunConfig, checkpoint: str, max_steps: int) -> str:
     try:
         controller = ColocateController(session)
         controller.skip_orphans()
+        freeze_heap()  # the session's model, optimizer and modules stay for every step
         state, total = session.state, cfg.train.total_steps
         target = min(total, state.policy_version + max_steps)
         if state.policy_version >= target:

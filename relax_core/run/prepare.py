@@ -23,6 +23,7 @@ from relax_core.config import (
     config_from_dict,
 )
 from relax_core.config.checks import QWEN_MULTIMODAL
+from relax_core.heap import freeze_heap
 from relax_core.models.omni import (
     ENCODERS_VERSION,
     OMNI_FIELDS,
@@ -144,6 +145,7 @@ def prepare_policy(
     if spec.model.chat_template:
         tokenizer.chat_template = read_chat_template(spec.model.chat_template)
     info: dict[str, object] = {"key": spec.key()}
+    freeze_heap()  # imports and the model are in place: the warm start's steps come next
     if spec.warm_start.steps > 0:
         info.update(_run_warm_start(spec, model, tokenizer))
 

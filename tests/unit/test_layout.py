@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "relax_core"
 MAX_LINES = 400
-SHARED = {"net", "user_code"}
+SHARED = {"heap", "net", "user_code"}
 """Top-level helper modules any room may use; they import nothing of relax_core."""
 
 
