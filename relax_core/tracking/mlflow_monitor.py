@@ -31,7 +31,7 @@ from relax_core.tracking.run_setup import (
     send_params_and_tags,
 )
 from relax_core.tracking.spool import MAX_METRICS_PER_BATCH, MetricSpool, Spooled
-from relax_core.tracking.store import default_tracking_uri
+from relax_core.tracking.store import default_tracking_uri, seed_sqlite_store
 
 _log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class MLflowMonitor:
         self.request_timeout_s = request_timeout_s
         self.request_retries = request_retries
         self.nonfinite_skipped: dict[str, int] = {}
+        seed_sqlite_store(self.tracking_uri)  # a new local store skips MLflow's migrations
         self._client = MlflowClient(tracking_uri=self.tracking_uri)
         self._run_id: str | None = None
         self._experiment_id: str | None = None
