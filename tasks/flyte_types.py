@@ -1,34 +1,102 @@
-"""The run config's Flyte type, built once per process.
+"""The run config's Flyte type, built once per process and kept on disk between processes.
 
 flytekit's dataclass transformer builds a dataclass's literal type (its fields' types and the
 JSON schema the Flyte console draws the input form from) again for every task and workflow
 interface that names it, and for every nested section inside it. For `RunConfig` that is a whole
-schema tree per interface (0.6 s each on 2 idle CPU cores), paid by every `pyflyte run` and every pod
-that loads the workflow module before its task starts. This transformer is flytekit's own, with
-the literal type of `RunConfig` kept after the first build: the same type, schema and values.
+schema tree per interface (0.6-0.8 s each on 2 idle CPU cores), paid by every `pyflyte run` and
+every pod that loads the workflow module before its task starts. This transformer is flytekit's
+own, with the literal type of `RunConfig` kept after the first build: the same type, schema and
+values.
+
+Across processes the built type is kept in the user's cache directory
+(`$XDG_CACHE_HOME/relax/flyte-types`, else `~/.cache/relax/flyte-types`), under a key of
+everything that shapes it: the config modules' source and the flytekit, mashumaro and Python
+versions. A changed config is a new key, so it is built again; a cache that cannot be read or
+written only costs the build.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import sys
+import tempfile
+from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
+from flyteidl.core import types_pb2
 from flytekit.core.type_engine import DataclassTransformer, TypeEngine
 from flytekit.models.types import LiteralType
 
+import relax_core.config
 from relax_core.config import RunConfig
 
 
-class OnceDataclassTransformer(DataclassTransformer):
-    """flytekit's dataclass transformer with each type's literal type built once."""
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "relax" / "flyte-types"
 
-    def __init__(self) -> None:
+
+def type_key(t: type) -> str:
+    """What `t`'s literal type depends on: its config modules' source and the libraries that
+    build it (a digest)."""
+    digest = hashlib.sha256()
+    for part in (t.__qualname__, sys.version, version("flytekit"), version("mashumaro")):
+        digest.update(part.encode() + b"\0")
+    for path in sorted(Path(relax_core.config.__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return f"{t.__qualname__}-{digest.hexdigest()[:24]}"
+
+
+def read_cached(path: Path) -> LiteralType | None:
+    try:
+        pb = types_pb2.LiteralType()
+        pb.ParseFromString(path.read_bytes())
+        return LiteralType.from_flyte_idl(pb)
+    except Exception:  # noqa: BLE001 - missing, unreadable or not a type: build it instead
+        return None
+
+
+def write_cached(path: Path, literal_type: LiteralType) -> None:
+    """Write `literal_type` whole or not at all (a renamed temporary file); failures are ignored."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(literal_type.to_flyte_idl().SerializeToString())
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError:
+        pass
+
+
+class OnceDataclassTransformer(DataclassTransformer):
+    """flytekit's dataclass transformer with each type's literal type built once: per process,
+    and across processes through the cache directory for the types in `disk_cached`."""
+
+    def __init__(self, disk_cached: tuple[type, ...] = (RunConfig,)) -> None:
         super().__init__()
         self._literal_types: dict[Any, LiteralType] = {}
+        self._disk_cached = disk_cached
 
     def get_literal_type(self, t: Any) -> LiteralType:
         found = self._literal_types.get(t)
         if found is None:
-            found = self._literal_types[t] = super().get_literal_type(t)
+            found = self._literal_types[t] = self._load_or_build(t)
+        return found
+
+    def _load_or_build(self, t: Any) -> LiteralType:
+        if t not in self._disk_cached:
+            return super().get_literal_type(t)
+        path = cache_dir() / f"{type_key(t)}.pb"
+        found = read_cached(path)
+        if found is None:
+            found = super().get_literal_type(t)
+            write_cached(path, found)
         return found
 
 

@@ -31,3 +31,31 @@ def test_run_config_travels_through_flyte_unchanged():
     back = TypeEngine.to_python_value(ctx, literal, RunConfig)
     assert back == cfg
     assert back.train.total_steps == 3 and back.seed == 7
+
+
+def test_the_built_type_is_kept_on_disk_for_the_next_process(tmp_path, monkeypatch):
+    from flytekit.models.types import LiteralType, SimpleType
+
+    from tasks.flyte_types import cache_dir, type_key
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built = OnceDataclassTransformer().get_literal_type(RunConfig)
+    assert built == DataclassTransformer().get_literal_type(RunConfig)
+    path = cache_dir() / f"{type_key(RunConfig)}.pb"
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary files left
+    # A new process's transformer takes what is on disk (a marker type here proves it read it).
+    marker = LiteralType(simple=SimpleType.STRING)
+    path.write_bytes(marker.to_flyte_idl().SerializeToString())
+    assert OnceDataclassTransformer().get_literal_type(RunConfig) == marker
+    # Unreadable bytes are built again and replaced.
+    path.write_bytes(b"\xff not a literal type")
+    assert OnceDataclassTransformer().get_literal_type(RunConfig) == built
+    assert OnceDataclassTransformer().get_literal_type(RunConfig) == built  # rewritten whole
+
+
+def test_a_cache_that_cannot_be_written_costs_only_the_build(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    built = OnceDataclassTransformer().get_literal_type(RunConfig)
+    assert built == DataclassTransformer().get_literal_type(RunConfig)
