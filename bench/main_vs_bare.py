@@ -22,8 +22,8 @@ Each round's MLflow store is a new file, which the run starts from the empty sto
 the pinned mlflow (relax_core/tracking/store.py); `--warm-mlflow` gives each run's work directory
 a store MLflow made before the clock starts instead. flytekit's literal type of the run config
 comes from the user's cache when an earlier run on this machine built it (tasks/flyte_types.py),
-as it does for a user's second run; `--cold-caches` gives each of our runs an empty cache
-directory (XDG_CACHE_HOME), as on a machine's first run (about 0.8 s more on 2 cores).
+as it does for a user's second run; `--cold-caches` gives each of our runs an empty one
+(RELAX_CACHE_DIR), as on a machine's first run (about 0.8 s more on 2 cores).
 
     python bench/main_vs_bare.py [--rounds 3] [--seeds 0] [--cpus 0,1] [--threads 2] [--cold-caches]
 
@@ -105,7 +105,7 @@ def ours(cfg: str, work: str, cpus: list[int], threads: int, cold_caches: bool =
     os.makedirs(os.path.join(work, "tmp"))
     env = {**os.environ, "TMPDIR": os.path.join(work, "tmp")}
     if cold_caches:
-        env["XDG_CACHE_HOME"] = os.path.join(work, "cache")
+        env["RELAX_CACHE_DIR"] = os.path.join(work, "cache")
     start = time.time()
     out = run_pinned(cmd, cpus, threads, env=env, timeout=3600)
     wall = time.time() - start
@@ -135,7 +135,7 @@ def main() -> None:
     parser.add_argument("--cfg", default=os.path.join(REPO, "configs", "cpu-default.yaml"))
     parser.add_argument("--target", type=float, default=0.30, help="held-out accuracy gain")
     parser.add_argument("--warm-mlflow", action="store_true", help="stores MLflow made beforehand")
-    parser.add_argument("--cold-caches", action="store_true", help="an empty user cache per run")
+    parser.add_argument("--cold-caches", action="store_true", help="an empty relax cache per run")
     add_pin_args(parser)
     args = parser.parse_args()
     with open(args.cfg) as f:
@@ -170,9 +170,9 @@ def main() -> None:
     shutil.rmtree(template, ignore_errors=True)
     pairs = [(o, b) for o, b in zip(times["ours"], times["bare"], strict=True) if o and b]
     store = "made by MLflow beforehand" if args.warm_mlflow else "a new file (from the template)"
-    cache = "empty per run" if args.cold_caches else "as the machine's earlier runs left it"
+    cache = "empty per run" if args.cold_caches else "as earlier runs on this machine left it"
     print(f"\nseeds {seeds}; CPUs {cpus}; {args.threads} torch threads per process (OMP); "
-          f"MLflow store {store}; user cache {cache}")  # fmt: skip
+          f"MLflow store {store}; relax cache {cache}")  # fmt: skip
     print("\n| side | time to +30 (s) | of it, to the step-0 eval (s) | rounds that got there |")
     print("| --- | --- | --- | --- |")
     for side, values in times.items():

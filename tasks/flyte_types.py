@@ -8,8 +8,8 @@ every pod that loads the workflow module before its task starts. This transforme
 own, with the literal type of `RunConfig` kept after the first build: the same type, schema and
 values.
 
-Across processes the built type is kept in the user's cache directory
-(`$XDG_CACHE_HOME/relax/flyte-types`, else `~/.cache/relax/flyte-types`), under a key of
+Across processes the built type is kept in relax's cache directory (`$RELAX_CACHE_DIR`, else
+`$XDG_CACHE_HOME/relax`, else `~/.cache/relax`; under `flyte-types/`), under a key of
 everything that shapes it: the config modules' source and the flytekit, mashumaro and Python
 versions. A changed config is a new key, so it is built again; a cache that cannot be read or
 written only costs the build.
@@ -34,6 +34,9 @@ from relax_core.config import RunConfig
 
 
 def cache_dir() -> Path:
+    own = os.environ.get("RELAX_CACHE_DIR")
+    if own:
+        return Path(own) / "flyte-types"
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(root) / "relax" / "flyte-types"
 

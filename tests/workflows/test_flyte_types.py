@@ -38,7 +38,7 @@ def test_the_built_type_is_kept_on_disk_for_the_next_process(tmp_path, monkeypat
 
     from tasks.flyte_types import cache_dir, type_key
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("RELAX_CACHE_DIR", str(tmp_path))
     built = OnceDataclassTransformer().get_literal_type(RunConfig)
     assert built == DataclassTransformer().get_literal_type(RunConfig)
     path = cache_dir() / f"{type_key(RunConfig)}.pb"
@@ -56,6 +56,6 @@ def test_the_built_type_is_kept_on_disk_for_the_next_process(tmp_path, monkeypat
 def test_a_cache_that_cannot_be_written_costs_only_the_build(tmp_path, monkeypatch):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    monkeypatch.setenv("RELAX_CACHE_DIR", str(blocker))
     built = OnceDataclassTransformer().get_literal_type(RunConfig)
     assert built == DataclassTransformer().get_literal_type(RunConfig)
