@@ -29,6 +29,7 @@ from datetime import timedelta
 from typing import NamedTuple
 
 from flytekit import task
+from flytekit.deck import DeckField
 
 from relax_core.config import RunConfig, config_to_dict
 from relax_core.config.sections import StorageConfig
@@ -257,6 +258,9 @@ def advantages_service(cfg_json: str, checkpoint: str) -> None:
     retries=1,
     timeout=timedelta(hours=1),
     enable_deck=True,
+    # Not flytekit's Dependencies page: `pip list` in a subprocess, 1.2 s at the end of every
+    # run, for what the registered model's requirements already record; nor this task's source.
+    deck_fields=(DeckField.TIMELINE, DeckField.INPUT, DeckField.OUTPUT),
 )
 def finish_run(cfg_json: str, checkpoint: str) -> RunSummary:
     """Final held-out eval, close the MLflow run, print the summary; the run report (curves,

@@ -11,6 +11,7 @@ from datetime import timedelta
 import msgpack
 import pytest
 from flytekit.configuration import Image, ImageConfig, SerializationSettings
+from flytekit.deck import DeckField
 from flytekit.tools.translator import get_serializable
 
 from tasks.evaluate import evaluate_checkpoint
@@ -69,6 +70,8 @@ def test_training_node_is_retried_interruptible_and_bounded(settings):
 
 def test_finish_run_renders_the_run_report_deck(settings):
     assert _template(settings, finish_run).metadata.generates_deck is True
+    # The run report and the task's timeline, inputs and outputs; no `pip list` of the pod.
+    assert set(finish_run.deck_fields) == {DeckField.TIMELINE, DeckField.INPUT, DeckField.OUTPUT}
 
 
 def test_async_role_tasks_are_retried_and_only_rollout_is_interruptible(settings):
