@@ -56,7 +56,12 @@ def digest(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _rank_main(conn: Any, tp_rank: int) -> None:
+def _rank_main(conn: Any, tp_rank: int, servers_ends: list[Any]) -> None:
+    # A forked child holds copies of the server's ends of every pipe made so far; with them open
+    # it would never see the EOF that says the server died, and would outlive it (a SIGKILLed
+    # server's daemon children are not stopped for it).
+    for end in servers_ends:
+        end.close()
     torch.set_num_threads(1)
     groups: dict[str, Any] = {}
     while True:
@@ -91,7 +96,10 @@ class OtherRanks:
         self.conns = []
         for r in range(1, tp_size):
             parent, child = ctx.Pipe()
-            ctx.Process(target=_rank_main, args=(child, r), daemon=True).start()
+            ctx.Process(
+                target=_rank_main, args=(child, r, [*self.conns, parent]), daemon=True
+            ).start()
+            child.close()  # the rank's end lives in the rank
             self.conns.append(parent)
 
     def start(self, op: str, *args: Any) -> None:
