@@ -6,7 +6,7 @@ on a 2-core machine, the first time anything opens it. The template is that resu
 MLflow itself: a store MLflow created and migrated, with the Default experiment it then adds
 taken out again (its artifact location names this script's scratch directory; MLflow adds it back,
 with the right location, when a store made from the template is first opened). Run this after
-changing mlflow's pin; tests/unit/test_mlflow_store_template.py fails until then.
+changing mlflow's pin; tests/integration/test_mlflow_store_template.py fails until then.
 
     python scripts/mlflow_store_template.py
 """

@@ -24,7 +24,7 @@ def reward_at(step: int) -> float:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    """One sqlite store per module: creating one runs MLflow's schema migrations (seconds)."""
+    """One sqlite store per module (the first monitor starts it from the shipped empty store)."""
     root = tmp_path_factory.mktemp("mlflow")
     return f"sqlite:///{root / 'mlflow.db'}", root
 
