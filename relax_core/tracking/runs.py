@@ -17,7 +17,8 @@ def tracking_uri_of(cfg: RunConfig) -> str:
 
 def monitor_for(cfg: RunConfig, run_id: str, tracking_run_id: str = "") -> Monitor:
     """The MLflow run a training run logs to: a new one, or `tracking_run_id` resumed. Metrics
-    the tracking server cannot take while it is down are spooled under `storage.root`."""
+    the tracking server cannot take while it is down are spooled under `storage.root`. Its sends
+    run beside training (MLflowMonitor's `send_in_background`)."""
     from relax_core.tracking.mlflow_monitor import MLflowMonitor  # mlflow: seconds
     from relax_core.tracking.spool import MetricSpool, spool_dir_of
 
@@ -29,6 +30,7 @@ def monitor_for(cfg: RunConfig, run_id: str, tracking_run_id: str = "") -> Monit
         spool=MetricSpool(spool_dir_of(cfg.storage.root), cfg.storage.options()),
         request_timeout_s=cfg.tracking.request_timeout_s,
         request_retries=cfg.tracking.request_retries,
+        send_in_background=True,
     )
 
 

@@ -2,12 +2,14 @@
 
 import logging
 import os
+import sqlite3
 from pathlib import Path
 
 # mlflow decides whether to start its telemetry client when it is imported, so this must come first.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 import pytest
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from relax_core.tracking.mlflow_monitor import MLflowMonitor
@@ -115,6 +117,42 @@ def test_metrics_are_sent_every_flush_every_steps(store: tuple[str, Path], reade
     assert len(reader.get_metric_history(run_id, "loss")) == 4
     monitor.finish("FAILED")
     assert reader.get_run(run_id).info.status == "FAILED"
+
+
+def test_a_runs_monitor_logs_on_while_the_store_is_locked_and_loses_nothing(
+    store: tuple[str, Path], reader: MlflowClient
+):
+    # Another writer holds the store's lock while training logs 12 steps (two sends due). A
+    # monitor sending in the logging thread would wait out sqlite's busy timeout (5 s) and
+    # raise "database is locked"; a run's monitor sends from its own thread, which waits for
+    # the lock and sends once it is free.
+    uri, root = store
+    monitor = MLflowMonitor(uri, EXPERIMENT, flush_every=5, send_in_background=True)
+    run_id = monitor.start({}, tags={})
+    other = sqlite3.connect(root / "mlflow.db", isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")
+    try:
+        for step in range(12):
+            monitor.log_metrics({"loss": reward_at(step), "kl": -reward_at(step)}, step)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    monitor.flush()  # waits for the send in flight, then sends the rest
+    for key, sign in (("loss", 1), ("kl", -1)):
+        history = reader.get_metric_history(run_id, key)
+        assert sorted((m.step, m.value) for m in history) == [
+            (s, sign * reward_at(s)) for s in range(12)
+        ]
+    monitor.finish()
+    assert reader.get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_background_sends_error_is_raised_by_the_next_flush(store: tuple[str, Path]):
+    monitor = MLflowMonitor(store[0], EXPERIMENT, flush_every=1, send_in_background=True)
+    monitor.start({}, tags={})
+    monitor.log_metrics({"k" * 300: 1.0}, step=0)  # MLflow refuses a key over 250 characters
+    with pytest.raises(MlflowException, match="Metric name.*250"):
+        monitor.flush()
 
 
 def test_more_metrics_than_one_batch_allows_are_all_stored(
