@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
+import numpy as np
+import pyarrow as pa
 import torch
 
 
@@ -71,18 +73,52 @@ class MicroBatch:
         return dataclasses.replace(self, **moved, extras=extras, shared=shared)
 
 
+@dataclass(frozen=True)
+class Ragged:
+    """Rows of different lengths as one flat array and row offsets, an Arrow list column's own
+    layout: padding any subset of the rows is a few numpy calls, not a loop over Python lists
+    (which cost more than the tensor math of a tiny model's step)."""
+
+    values: np.ndarray
+    offsets: np.ndarray
+    """[rows + 1] int64: row i is values[offsets[i]:offsets[i + 1]]."""
+
+    @classmethod
+    def of_lists(cls, rows: Sequence[Sequence[float]], dtype: type) -> Ragged:
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum([len(row) for row in rows], out=offsets[1:])
+        flat = np.fromiter(chain.from_iterable(rows), dtype=dtype, count=int(offsets[-1]))
+        return cls(flat, offsets)
+
+    @classmethod
+    def of_column(cls, column: pa.Array | pa.ChunkedArray) -> Ragged:
+        """A list column's rows (a null row is empty); its buffers, not Python lists."""
+        if isinstance(column, pa.ChunkedArray):
+            column = column.combine_chunks()
+        # `offsets` follow a sliced array's offset and index `values`, which ignores it.
+        offsets = column.offsets.to_numpy().astype(np.int64)
+        return cls(column.values.to_numpy(zero_copy_only=False), offsets)
+
+    def lengths(self, rows: np.ndarray) -> np.ndarray:
+        return self.offsets[rows + 1] - self.offsets[rows]
+
+    def padded(self, rows: np.ndarray, width: int, value: float, dtype: type) -> np.ndarray:
+        """[len(rows), width]: each of `rows` left-aligned, padded with `value`."""
+        return self.placed(np.full((len(rows), width), value, dtype=dtype), rows, 0)
+
+    def placed(self, out: np.ndarray, rows: np.ndarray, at: np.ndarray | int) -> np.ndarray:
+        """`out` with row k's values written from column `at` (per row, or one for all) on."""
+        cols = np.arange(out.shape[1]) - np.asarray(at).reshape(-1, 1)
+        keep = (cols >= 0) & (cols < self.lengths(rows)[:, None])
+        out[keep] = self.values[(self.offsets[rows][:, None] + cols)[keep]]
+        return out
+
+
 def pad_2d(rows: Sequence[Sequence[float]], width: int, value: float, dtype: torch.dtype):
-    """[len(rows), width] tensor, each row left-aligned and padded with `value`. One tensor is
-    built from all rows' values at once (a tensor per row costs more than the values)."""
-    out = torch.full((len(rows), width), value, dtype=dtype)
-    lengths = torch.tensor([len(row) for row in rows], dtype=torch.long)
-    total = int(lengths.sum())
-    if total:
-        flat = torch.tensor(list(chain.from_iterable(rows)), dtype=dtype)
-        row_of = torch.repeat_interleave(torch.arange(len(rows)), lengths)
-        starts = torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
-        out[row_of, torch.arange(total) - starts] = flat
-    return out
+    """[len(rows), width] tensor, each row left-aligned and padded with `value`."""
+    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    ragged = Ragged.of_lists(rows, np_dtype)
+    return torch.from_numpy(ragged.padded(np.arange(len(rows)), width, value, np_dtype))
 
 
 def make_micro_batch(
@@ -94,63 +130,94 @@ def make_micro_batch(
     routed_experts: Sequence[Sequence[Sequence[int]]] | None = None,
     share_prompts: bool = False,
 ) -> MicroBatch:
+    """The micro-batch of these rows (Python lists; `micro_batch` takes Ragged columns)."""
     if not prompt_ids:
         raise ValueError("cannot build a micro-batch from zero rows")
-    seqs = [list(p) + list(r) for p, r in zip(prompt_ids, response_ids, strict=True)]
-    width = max(len(s) for s in seqs)
-    r_width = max(1, max(len(r) for r in response_ids))
-    input_ids = pad_2d(seqs, width, pad_token_id, torch.long)
-    attention = pad_2d([[1] * len(s) for s in seqs], width, 0, torch.long)
-    prompt_len = torch.tensor([len(p) for p in prompt_ids])
+    ints = [Ragged.of_lists(x, np.int64) for x in (prompt_ids, response_ids, loss_mask)]
+    floats = {k: Ragged.of_lists(v, np.float32) for k, v in (extras or {}).items()}
+    rows = np.arange(len(prompt_ids))
+    return micro_batch(*ints, pad_token_id, rows, floats, routed_experts, share_prompts)
+
+
+def micro_batch(
+    prompts: Ragged,
+    responses: Ragged,
+    loss_mask: Ragged,
+    pad_token_id: int,
+    rows: np.ndarray,
+    extras: dict[str, Ragged] | None = None,
+    routed_experts: Sequence[Sequence[Sequence[int]]] | None = None,
+    share_prompts: bool = False,
+) -> MicroBatch:
+    """`rows` of the columns as one micro-batch: prompt + response right-padded to the longest,
+    response tensors to the longest response; `routed_experts` per row of `rows`."""
+    if not len(rows):
+        raise ValueError("cannot build a micro-batch from zero rows")
+    p_len, r_len = prompts.lengths(rows), responses.lengths(rows)
+    width, r_width = int((p_len + r_len).max()), max(1, int(r_len.max()))
+    seqs = prompts.padded(rows, width, pad_token_id, np.int64)
+    input_ids = torch.from_numpy(responses.placed(seqs, rows, p_len))
+    attention = torch.from_numpy((np.arange(width) < (p_len + r_len)[:, None]).astype(np.int64))
+    prompt_len = torch.from_numpy(p_len)
     positions = (prompt_len.unsqueeze(1) - 1 + torch.arange(r_width)).clamp(max=width - 1)
-    resp = pad_2d(response_ids, r_width, pad_token_id, torch.long)
-    mask = pad_2d(loss_mask, r_width, 0, torch.float32)
-    ext = {k: pad_2d(v, r_width, 0.0, torch.float32) for k, v in (extras or {}).items()}
-    experts = None if routed_experts is None else _experts_tensor(routed_experts, seqs, width)
+    resp = torch.from_numpy(responses.padded(rows, r_width, pad_token_id, np.int64))
+    mask = torch.from_numpy(loss_mask.padded(rows, r_width, 0, np.float32))
+    ext = {
+        k: torch.from_numpy(v.padded(rows, r_width, 0.0, np.float32))
+        for k, v in (extras or {}).items()
+    }
+    experts = None
+    if routed_experts is not None:
+        experts = _experts_tensor(routed_experts, (p_len + r_len).tolist(), width)
     shared = None
     if share_prompts and experts is None:
-        shared = shared_prompts(prompt_ids, response_ids, pad_token_id, r_width)
+        shared = shared_prompts(prompts, rows, r_len, pad_token_id, r_width)
     return MicroBatch(
         input_ids, attention, resp, positions, mask, ext, routed_experts=experts, shared=shared
     )
 
 
 def shared_prompts(
-    prompt_ids: Sequence[Sequence[int]],
-    response_ids: Sequence[Sequence[int]],
-    pad_token_id: int,
-    r_width: int,
+    prompts: Ragged, rows: np.ndarray, r_len: np.ndarray, pad_token_id: int, r_width: int
 ) -> SharedPrompts | None:
-    """The distinct prompts among the rows (first-seen order), or None when none repeats."""
-    index: dict[tuple[int, ...], int] = {}
-    row = [index.setdefault(tuple(p), len(index)) for p in prompt_ids]
+    """The distinct prompts among `rows` (first-seen order), or None when none repeats."""
+    starts, ends = prompts.offsets[rows].tolist(), prompts.offsets[rows + 1].tolist()
+    index: dict[bytes, int] = {}
+    row, firsts = [], []
+    for k, (a, b) in enumerate(zip(starts, ends, strict=True)):
+        row.append(index.setdefault(prompts.values[a:b].tobytes(), len(index)))
+        if len(index) > len(firsts):
+            firsts.append(k)
     if len(index) == len(row):
         return None
-    distinct = list(index)
-    width = max(len(p) for p in distinct)
-    ids = torch.full((len(distinct), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(distinct), width), dtype=torch.long)
-    for g, p in enumerate(distinct):
-        ids[g, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
-        mask[g, width - len(p) :] = 1
-    lengths = torch.tensor([len(r) for r in response_ids])
-    response_mask = (torch.arange(r_width) < lengths.unsqueeze(1)).long()
-    return SharedPrompts(ids, mask, torch.tensor(row), response_mask)
+    distinct = rows[firsts]
+    lengths = prompts.lengths(distinct)
+    width = int(lengths.max())
+    ids = np.full((len(distinct), width), pad_token_id, dtype=np.int64)
+    ids = prompts.placed(ids, distinct, width - lengths)  # left-padded
+    mask = (np.arange(width) >= (width - lengths)[:, None]).astype(np.int64)
+    response_mask = (np.arange(r_width) < r_len[:, None]).astype(np.int64)
+    return SharedPrompts(
+        torch.from_numpy(ids),
+        torch.from_numpy(mask),
+        torch.tensor(row),
+        torch.from_numpy(response_mask),
+    )
 
 
 def _experts_tensor(
-    rows: Sequence[Sequence[Sequence[int]]], seqs: list[list[int]], width: int
+    rows: Sequence[Sequence[Sequence[int]]], seq_lengths: list[int], width: int
 ) -> torch.Tensor:
     """[B, width, num_layers * top_k] long, each row's experts from its first token on."""
     per_token = {len(tokens[0]) for tokens in rows if len(tokens)}
     if len(per_token) > 1:
         raise ValueError(f"routed_experts: rows differ in experts per token ({sorted(per_token)})")
     out = torch.zeros((len(rows), width, per_token.pop() if per_token else 0), dtype=torch.long)
-    for i, (tokens, seq) in enumerate(zip(rows, seqs, strict=True)):
-        if len(tokens) > len(seq):
+    for i, (tokens, seq_len) in enumerate(zip(rows, seq_lengths, strict=True)):
+        if len(tokens) > seq_len:
             raise ValueError(
                 f"routed_experts: row {i} has experts for {len(tokens)} tokens, its sequence "
-                f"{len(seq)}"
+                f"{seq_len}"
             )
         if len(tokens):
             out[i, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
-from relax_core.train.batch import MicroBatch, make_micro_batch, split_by_token_budget
+from relax_core.train.batch import MicroBatch, Ragged, micro_batch, split_by_token_budget
 
 
 def table_micro_batches(
@@ -29,28 +30,31 @@ def table_micro_batches(
     `routed_experts` (routing replay) carries each row's `routed_experts` column along; a row
     without them, or with other than one entry per token but the last, is a ValueError naming it.
     """
-    prompts = table.column("prompt_ids").to_pylist()
-    responses = table.column("response_ids").to_pylist()
-    masks = table.column("loss_mask").to_pylist()
-    extra_cols = {name: table.column(name).to_pylist() for name in extras}
-    for name, values in extra_cols.items():
-        if any(v is None for v in values):
+    prompts, responses, masks = (
+        Ragged.of_column(table.column(name)) for name in ("prompt_ids", "response_ids", "loss_mask")
+    )
+    extra_cols = {}
+    for name in extras:
+        if table.column(name).null_count:
             raise ValueError(f"queue rows are missing column {name!r}; which role should fill it?")
+        extra_cols[name] = Ragged.of_column(table.column(name))
     for name, values in (computed or {}).items():
         if len(values) != table.num_rows:
             raise ValueError(f"{name}: {len(values)} rows of values for {table.num_rows} rows")
-        extra_cols[name] = values
+        extra_cols[name] = Ragged.of_lists(values, np.float32)
     media = table.column("media").to_pylist() if resolver is not None else None
-    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    every = np.arange(table.num_rows)
+    lengths = (prompts.lengths(every) + responses.lengths(every)).tolist()
     experts = _routed_experts(table, lengths) if routed_experts else None
     out = []
     for rows in split_by_token_budget(lengths, token_budget):
-        mb = make_micro_batch(
-            [prompts[i] for i in rows],
-            [responses[i] for i in rows],
-            [masks[i] for i in rows],
+        mb = micro_batch(
+            prompts,
+            responses,
+            masks,
             pad_token_id,
-            {name: [values[i] for i in rows] for name, values in extra_cols.items()},
+            np.asarray(rows, dtype=np.int64),
+            extra_cols,
             None if experts is None else [experts[i] for i in rows],
             # A group's samples repeat their prompt: the backend runs it once (text rows).
             share_prompts=media is None,
