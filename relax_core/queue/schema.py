@@ -101,11 +101,15 @@ def _column_array(values: list[Any], field: pa.Field) -> pa.Array:
         ) from err
 
 
+_ENCODE_SORTED = json.JSONEncoder(sort_keys=True).encode
+"""json.dumps(value, sort_keys=True) without building an encoder per call (one per row)."""
+
+
 def _normalize_reward_info(value: Any, row: int) -> str | None:
     if value is None:
         return None
     if isinstance(value, dict):
-        return json.dumps(value, sort_keys=True)
+        return _ENCODE_SORTED(value)
     if isinstance(value, str):
         try:
             json.loads(value)

@@ -32,8 +32,18 @@ def _validated(result: object) -> RewardResult:
     if not isinstance(result.info, Mapping):
         raise TypeError(f"info must be a dict, got {type(result.info).__name__}")
     info = dict(result.info)
-    json.dumps(info)  # raises TypeError naming the first value JSON cannot hold
+    if not _flat_json(info):
+        json.dumps(info)  # raises TypeError naming the first value JSON cannot hold
     return RewardResult(float(reward), bool(result.correct), info)
+
+
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def _flat_json(info: dict) -> bool:
+    """Whether `info` is string keys to JSON scalars (what most rewards return), which JSON
+    holds without serializing it to find out: a sixth of a tiny model's scoring time."""
+    return all(type(k) is str and type(v) in _JSON_SCALARS for k, v in info.items())
 
 
 def _error_result(e: Exception) -> RewardResult:
