@@ -42,10 +42,13 @@ print(json.dumps({"frozen": gc.get_freeze_count(), "walked": walked}))
 """
 
 
-def test_full_collections_in_rl_steps_skip_the_long_lived_heap(tmp_path):
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "PYTHONPATH": REPO}
+def _run(script: str, tmp_path, **env_over: str) -> dict:
+    """`script` in a fresh process (without glibc malloc variables of ours); its last line."""
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "PYTHONPATH": REPO, **env_over}
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"):
+        env.pop(name, None)
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path)],
+        [sys.executable, "-c", script, str(tmp_path)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -53,7 +56,11 @@ def test_full_collections_in_rl_steps_skip_the_long_lived_heap(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_full_collections_in_rl_steps_skip_the_long_lived_heap(tmp_path):
+    result = _run(SCRIPT, tmp_path)
     # torch, transformers and mlflow alone are well over 100k objects.
     assert result["frozen"] > 100_000, result
     assert result["walked"], "no full collection ran"
@@ -78,29 +85,13 @@ print(json.dumps({"faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt -
 """
 
 
-def _warm_start_faults(tmp_path, **env_over: str) -> int:
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "PYTHONPATH": REPO, **env_over}
-    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"):
-        env.pop(name, None)
-    out = subprocess.run(
-        [sys.executable, "-c", FAULTS, str(tmp_path)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])["faults"]
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings")
 def test_training_steps_reuse_freed_memory_instead_of_faulting_it_in_again(tmp_path):
     # With glibc's defaults a step's activation and gradient buffers are mapped, unmapped and
     # faulted in again at every step: 60 warm-start steps on 2 threads took 89k page faults
     # against 20k with freed memory kept (the whole CPU-default run: 380-830k against 193k).
-    kept = _warm_start_faults(tmp_path / "kept")
-    default = _warm_start_faults(tmp_path / "default", RELAX_KEEP_FREED_MEMORY="0")
+    kept = _run(FAULTS, tmp_path / "kept")["faults"]
+    default = _run(FAULTS, tmp_path / "default", RELAX_KEEP_FREED_MEMORY="0")["faults"]
     assert kept < default / 3, (kept, default)
 
 
