@@ -52,6 +52,12 @@ ROW_SCHEMA: pa.Schema = pa.schema(
 )
 
 REQUIRED_COLUMNS: tuple[str, ...] = tuple(f.name for f in ROW_SCHEMA if not f.nullable)
+PER_TOKEN_COLUMNS: tuple[str, ...] = tuple(
+    f.name
+    for f in ROW_SCHEMA
+    if pa.types.is_list(f.type) and pa.types.is_primitive(f.type.value_type)
+)
+"""List columns of one number per token (ids, masks, log-probs, advantages)."""
 _COLUMN_NAMES = frozenset(ROW_SCHEMA.names)
 
 
@@ -236,6 +242,14 @@ def _check_values(table: pa.Table, check_domains: bool) -> None:
         nulls = table.column(name).null_count
         if nulls:
             raise ValueError(f"required column {name!r} has {nulls} null value(s)")
+    for name in PER_TOKEN_COLUMNS:
+        # A row may lack the list (a role has not filled it), not hold a null token in it: the
+        # trainer reads these lists' values straight into tensors (train/batch.py Ragged).
+        column = table.column(name)
+        # The children's counts are O(1) (a slice's child can hold another row's null: exact check)
+        if any(c.values.null_count for c in column.chunks) and pc.list_flatten(column).null_count:
+            row = next(i for i, v in enumerate(column.to_pylist()) if v and None in v)
+            raise ValueError(f"column {name!r}, row {row}: a null inside the list")
     if not check_domains:
         return
     finish = table.column("finish_reason").to_pylist()

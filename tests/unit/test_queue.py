@@ -97,6 +97,9 @@ def test_reward_info_dict_is_stored_as_json_text() -> None:
         ({"finish_reason": "eos"}, "column 'finish_reason', row 1"),
         ({"reward_info": "{not json"}, "column 'reward_info', row 1"),
         ({"group_id": None}, "row 1: required column 'group_id'"),
+        # The trainer reads token lists' values straight into tensors: no null token.
+        ({"response_ids": [1, None]}, "column 'response_ids', row 1: a null inside the list"),
+        ({"advantages": [0.5, None]}, "column 'advantages', row 1: a null inside the list"),
         ({"respons_ids": [1]}, "row 1: unknown column(s) ['respons_ids']"),
     ],
 )
@@ -105,6 +108,15 @@ def test_bad_value_error_names_column_and_row(bad_row: dict, expected: str) -> N
     with pytest.raises(ValueError) as info:
         rows_to_table(rows)
     assert expected in str(info.value)
+
+
+def test_a_null_token_is_refused_on_read_but_not_for_rows_sliced_off() -> None:
+    good = rows_to_table(_group_rows(1, 2))
+    ids = pa.array([[1, None], [0, 1]], pa.list_(pa.int32()))
+    bad = good.set_column(good.schema.get_field_index("response_ids"), "response_ids", ids)
+    with pytest.raises(ValueError, match="'response_ids', row 0: a null inside the list"):
+        validate_table(bad)
+    assert validate_table(bad.slice(1)).num_rows == 1  # the null is in the row left out
 
 
 def test_with_columns_replaces_values_and_keeps_schema() -> None:
