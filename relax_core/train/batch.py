@@ -131,8 +131,6 @@ def make_micro_batch(
     share_prompts: bool = False,
 ) -> MicroBatch:
     """The micro-batch of these rows (Python lists; `micro_batch` takes Ragged columns)."""
-    if not prompt_ids:
-        raise ValueError("cannot build a micro-batch from zero rows")
     ints = [Ragged.of_lists(x, np.int64) for x in (prompt_ids, response_ids, loss_mask)]
     floats = {k: Ragged.of_lists(v, np.float32) for k, v in (extras or {}).items()}
     rows = np.arange(len(prompt_ids))
