@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README): everything except GPU-only tests, with temp files kept in one place.
 # Two pytest-xdist workers, each taking whole test files (so a module's servers start once): most
-# integration tests wait on subprocesses and servers, and the torch work in tests runs one thread.
+# integration tests wait on subprocesses and servers, and the runs tests start use one torch thread.
 # RELAX_TEST_WORKERS=0 runs everything in this one process (a debugger, -x, -s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
