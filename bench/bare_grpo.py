@@ -13,8 +13,13 @@ group-normalized advantages, PPO clip, token-mean loss, AdamW (0.9, 0.99), grad 
 
 Reuses from relax_core only the config reader, the dataset reader, the character tokenizer, the
 tiny Qwen3 builder (the same initial weights for a seed), the config's reward function (the
-answer check) and the process's kernel setting (train.deterministic). Prompts must share one
-length and the template be 'plain' (datasets/arithmetic).
+answer check), the process's kernel setting (train.deterministic) and, with `model.matmul_dtype`,
+the float32 attention the engine's policies use. Under that setting the warm start's training
+forward, sampling, training and evals run under autocast to the matmul dtype (the warm start's
+probe in float32, as the engine's): linear layers in bfloat16, the residual stream,
+norms and attention in float32, the numerics of the engine's trainer and, bit for bit, of its
+sampling copy (relax_core/models/precision.py). Prompts must share one length and the template
+be 'plain' (datasets/arithmetic).
 
     python bench/bare_grpo.py [--cfg configs/cpu-default.yaml] [--seed 0] [--target 0.30]
 
@@ -35,6 +40,7 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.join(REPO, "bench"):
     sys.path[0] = REPO
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 
@@ -59,12 +65,26 @@ def response_logp(model, hidden, tokens, real, temperature: float) -> torch.Tens
 
 
 def warm_start(
-    model, tok, rows: list[dict], steps: int, lr: float, batch: int, seed: int, target: float
+    model,
+    tok,
+    rows: list[dict],
+    steps: int,
+    lr: float,
+    batch: int,
+    seed: int,
+    target: float,
+    matmuls: torch.dtype | None = None,
 ) -> int:
     """Next-token loss on answer + EOS, token mean, the engine's batches for `seed`; as in the
     engine, right padding masked and the LM head only where an answer token is predicted. With
     a `target` accuracy, the engine's probe (held out; checked before the first step and every
-    10 steps: every answer token the greedy choice) ends it early. Returns the steps taken."""
+    10 steps: every answer token the greedy choice, in float32) ends it early. `matmuls`: the
+    training forward under autocast to it, attention in float32. Returns the steps taken."""
+    if matmuls is not None:
+        from relax_core.models.attention import use_float32_attention
+
+        use_float32_attention(model)
+    compute = (lambda: torch.autocast("cpu", dtype=matmuls)) if matmuls else contextlib.nullcontext
     opt, rng, eos, pad = adamw(model, lr), random.Random(seed), tok.eos_token_id, tok.pad_token_id
     prompts = tok([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
     answers = [
@@ -104,8 +124,9 @@ def warm_start(
         if step == steps:
             return step
         picks = [train[i] for i in rng.sample(range(len(train)), min(batch, len(train)))]
-        hidden, tokens, mask = forward(picks)
-        logp = response_logp(model, hidden, tokens, mask, 1.0)
+        with compute():
+            hidden, tokens, mask = forward(picks)
+            logp = response_logp(model, hidden, tokens, mask, 1.0)
         loss = -(logp * mask.float()).sum() / mask.float().sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -124,6 +145,17 @@ class BareGRPO:
         # comparison must run on the same ones.
         use_deterministic_kernels(cfg.train.deterministic)
         self.epoch, self.pos, self.order = 0, 0, None
+        self.matmuls = getattr(torch, cfg.model.matmul_dtype) if cfg.model.matmul_dtype else None
+        if self.matmuls is not None:
+            from relax_core.models.attention import use_float32_attention
+
+            use_float32_attention(model)
+
+    def compute(self):
+        """The forward's numerics: autocast to model.matmul_dtype when the config sets one."""
+        if self.matmuls is None:
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=self.matmuls)
 
     def next_prompts(self, n: int) -> list[int]:
         """The engine's order: one permutation of the dataset per (seed, epoch)."""
@@ -142,8 +174,9 @@ class BareGRPO:
         return out
 
     def forward(self, ids, cache):  # the LM head at the last position only, as the engine
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1]
+        with self.compute():
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float()
 
     @torch.inference_mode()
     def sample(self, prompts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,17 +223,18 @@ class BareGRPO:
             index: dict[int, int] = {}  # the micro-batch's distinct prompts, first seen first
             groups = (mb // c.rollout.n_samples_per_prompt).tolist()
             row = torch.tensor([index.setdefault(g, len(index)) for g in groups])
-            cache = DynamicCache()
-            out = decoder(input_ids=prompts[list(index)], past_key_values=cache, use_cache=True)
-            # index_select, not x[row]: its backward adds a prompt's rows in a fixed order.
-            hidden = out.last_hidden_state[:, -1].index_select(0, row).unsqueeze(1)
-            if width > 1:  # the responses on top of their prompt's keys and values
-                for layer in cache.layers:
-                    layer.keys = layer.keys.index_select(0, row)
-                    layer.values = layer.values.index_select(0, row)
-                rest = decoder(input_ids=resp[:, :-1], past_key_values=cache, use_cache=True)
-                hidden = torch.cat([hidden, rest.last_hidden_state], 1)
-            logp = response_logp(self.model, hidden, resp, real, c.rollout.temperature)
+            with self.compute():
+                cache = DynamicCache()
+                out = decoder(input_ids=prompts[list(index)], past_key_values=cache, use_cache=True)
+                # index_select, not x[row]: its backward adds a prompt's rows in a fixed order.
+                hidden = out.last_hidden_state[:, -1].index_select(0, row).unsqueeze(1)
+                if width > 1:  # the responses on top of their prompt's keys and values
+                    for layer in cache.layers:
+                        layer.keys = layer.keys.index_select(0, row)
+                        layer.values = layer.values.index_select(0, row)
+                    rest = decoder(input_ids=resp[:, :-1], past_key_values=cache, use_cache=True)
+                    hidden = torch.cat([hidden, rest.last_hidden_state], 1)
+                logp = response_logp(self.model, hidden, resp, real, c.rollout.temperature)
             ratio = torch.exp(logp - logp.detach())  # on-policy: the old log-probs are these
             a, lo, hi = adv[mb, None], c.algorithm.eps_clip, c.algorithm.eps_clip_high
             pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - lo, 1 + hi))
@@ -273,7 +307,8 @@ def main() -> None:
     tok = build_char_tokenizer()
     model = build_tiny_qwen3(cfg.model, len(tok), seed)
     w = cfg.warm_start
-    warm_start(model, tok, rows, w.steps, w.lr, w.batch_size, seed, w.target_accuracy)
+    matmuls = getattr(torch, cfg.model.matmul_dtype) if cfg.model.matmul_dtype else None
+    warm_start(model, tok, rows, w.steps, w.lr, w.batch_size, seed, w.target_accuracy, matmuls)
     loop = BareGRPO(model, tok, rows, cfg, seed, resolve_reward(cfg.reward.name))
     ids = torch.tensor(tok([r["prompt"] for r in held_out], add_special_tokens=False)["input_ids"])
     evals = [{"step": 0, "accuracy": loop.accuracy(ids, held_out), "time": time.time()}]

@@ -103,7 +103,9 @@ class PolicySpec:
             model["encoders_version"] = ENCODERS_VERSION
         if not self.model.num_experts:  # the MoE fields shape nothing of a dense policy
             model = {k: v for k, v in model.items() if k not in MOE_FIELDS}
-        model.pop("matmul_dtype")  # how the weights are used, not what they are
+        if not (self.model.matmul_dtype and self.warm_start.steps):
+            # how the weights are used, not what they are; unless a warm start computes in it
+            model.pop("matmul_dtype")
         if self.model.chat_template:  # keyed by content: an edited file is a new policy
             model["chat_template"] = file_digest(self.model.chat_template)
         else:  # absent when unset, so policies without one keep their keys
@@ -209,6 +211,8 @@ def _base_model(spec: PolicySpec, cache_dir: str):
 
 def _run_warm_start(cfg: PolicySpec, model, tokenizer) -> dict[str, object]:
     """Runs the warm start on `model`; what PREPARED.json records of it."""
+    import torch
+
     from relax_core.data.dataset import load_prompts
     from relax_core.data.templates import render_prompt
     from relax_core.train.warm_start import answer_example, warm_start
@@ -235,6 +239,7 @@ def _run_warm_start(cfg: PolicySpec, model, tokenizer) -> dict[str, object]:
         pairs = zip(rows, prompt_ids, strict=True)
         examples = [answer_example(tokenizer, ids, row["answer"]) for row, ids in pairs]
     w = cfg.warm_start
+    matmuls = cfg.model.matmul_dtype
     result = warm_start(
         model,
         tokenizer,
@@ -245,6 +250,7 @@ def _run_warm_start(cfg: PolicySpec, model, tokenizer) -> dict[str, object]:
         cfg.seed,
         media=media,
         target_accuracy=w.target_accuracy,
+        matmul_dtype=getattr(torch, matmuls) if matmuls else None,
     )
     losses = result.losses
     info: dict[str, object] = {

@@ -5,8 +5,10 @@ its observations)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -58,15 +60,62 @@ def warm_start(
     seed: int,
     media: list | None = None,
     target_accuracy: float = 0.0,
+    matmul_dtype: torch.dtype | None = None,
 ) -> WarmStartResult:
     """Train `model` in place on (prompt_ids, response_ids, loss_mask) examples, `steps` steps
     or, with a `target_accuracy`, until that share of a held-out probe of the examples has every
     trained token as the model's greedy choice (checked before the first step and every
     CHECK_EVERY steps; `steps` is then the most it takes). `media`: each example's encoder
-    inputs (an omni policy), in example order."""
+    inputs (an omni policy), in example order. `matmul_dtype` (a float32 text policy's
+    `model.matmul_dtype`): the training forward runs as the RL trainer's does, linear layers in
+    it under autocast, attention and the rest in float32; the weights stay float32, and the
+    probe is checked in float32."""
     if not examples:
         raise ValueError("the warm start has no examples")
-    backend = TorchBackend(model, lr=lr, grad_clip=1.0)
+    if matmul_dtype is not None:
+        with float32_attention(model):
+            return _warm_start(
+                model, tokenizer, examples, steps, lr, batch_size, seed, media,
+                target_accuracy, matmul_dtype,
+            )  # fmt: skip
+    return _warm_start(
+        model, tokenizer, examples, steps, lr, batch_size, seed, media, target_accuracy, None
+    )
+
+
+@contextlib.contextmanager
+def float32_attention(model: Any) -> Iterator[None]:
+    """`model` with the float32 attention of models/attention.py inside the block, its own
+    implementation again afterwards (what a saved policy's config names)."""
+    from relax_core.models.attention import use_float32_attention
+
+    before = model.config._attn_implementation
+    use_float32_attention(model)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
+def _warm_start(
+    model: Any,
+    tokenizer: Any,
+    examples: list[Example],
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    media: list | None,
+    target_accuracy: float,
+    matmul_dtype: torch.dtype | None,
+) -> WarmStartResult:
+    backend = TorchBackend(
+        model,
+        lr=lr,
+        grad_clip=1.0,
+        compute_dtype=matmul_dtype,
+        weights_dtype=torch.float32 if matmul_dtype is not None else None,
+    )
     rng = random.Random(seed)
     train, probe = list(range(len(examples))), None
     if target_accuracy > 0:

