@@ -289,6 +289,7 @@ def register_final_policy(
             "template": cfg.data.template,
             "system_prompt": cfg.data.system_prompt,
             "max_new_tokens": cfg.rollout.max_new_tokens,
+            "matmul_dtype": cfg.model.matmul_dtype,
         },
         tags={
             "relax.run_id": state.run_id,

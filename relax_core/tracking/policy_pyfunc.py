@@ -8,7 +8,9 @@ Input: a list of prompt strings or a DataFrame with a `prompt` column. Each prom
 with the run's template (plain or the tokenizer's chat template, with its system prompt), answered
 greedily by the torch engine with the run's generation budget (override with
 `params={"max_new_tokens": N}`), and decoded. The weights are the `policy` artifact: the final
-checkpoint's Hugging Face directory (safetensors + tokenizer + state.json).
+checkpoint's Hugging Face directory (safetensors + tokenizer + state.json). A run with
+`model.matmul_dtype` computes its linear layers in it here too (models/precision.py), so the
+model answers as the run's held-out eval did.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ class RelaxPolicy(PythonModel):
         self.system_prompt = config.get("system_prompt") or None
         self.max_new_tokens = int(config.get("max_new_tokens", 64))
         self.model, self.tokenizer = load_policy(context.artifacts["policy"])
+        if config.get("matmul_dtype"):
+            import torch
+
+            from relax_core.models.precision import linear_layers_in
+
+            linear_layers_in(self.model, getattr(torch, str(config["matmul_dtype"])))
         self.engine = TorchEngine(
             self.model.eval(), self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         )
