@@ -1,8 +1,9 @@
 """Async vs colocate on this machine: wall time of the same RL run, and the machine bound.
 
-For each round, in one process on the same cores: colocate (`configs/cpu-default.yaml`, every
-role in one process, torch's default threads) and async (`configs/cpu-async.yaml`, every role
-its own process). Both start from the same cached warm-started policy; the untimed parts (start:
+For each round, in one process on the same cores: colocate (`configs/cpu-default.yaml` with
+`configs/cpu-async.yaml`'s model section, every role in one process, torch's default threads) and
+async (`configs/cpu-async.yaml`, every role its own process). Both start from the same cached
+warm-started policy; the untimed parts (start:
 eval at step 0 and checkpoint v0; finish: the final held-out eval) run in this process. The
 timed part is the training itself, measured around one child process (colocate) or the
 supervisor and its role processes (async), imports and model loading included for both.
@@ -29,6 +30,7 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.join(REPO, "bench"):
     sys.path[0] = REPO
 
 import argparse
+import dataclasses
 import json
 import resource
 import statistics
@@ -163,7 +165,12 @@ def main() -> None:
     results: dict[str, list[dict]] = {"colocate": [], **{v: [] for v in chosen}}
     for r in range(args.rounds):
         with tempfile.TemporaryDirectory(prefix="bench-async-", dir=args.keep) as work:
-            cfg = _config(args.colocate, work, args.steps)
+            # The colocate side on the async config's model, so both start from one policy
+            # (cpu-default computes its matmuls in bf16, which async roles do not take).
+            from relax_core.config import load_config
+
+            model = dataclasses.asdict(load_config(args.async_cfg).model)
+            cfg = _config(args.colocate, work, args.steps, model=model)
             results["colocate"].append(run_colocate(cfg, work))
             _report("colocate", r, results["colocate"][-1], cores)
             for name in chosen:

@@ -50,6 +50,8 @@ def bench_config(
                 "trainer_threads": a.services.trainer_threads,
             },
             "algorithm": {"proximal": a.algorithm.proximal},
+            # Async roles take no model.matmul_dtype: float32 matmuls on the same policy.
+            "model": {"matmul_dtype": ""},
         }
     return replace(
         cfg,
@@ -78,8 +80,10 @@ def bench_config(
 def task_policy(cfg, task: str) -> str:
     """The task's starting policy, the same for every run seed: prepared (converted, warm
     started) with the task config's own seed, so that seeds vary the prompt order and the
-    samples, not the weights both sides start from."""
+    samples, not the weights both sides start from; the task config's own policy whatever
+    `cfg`'s mode (an async run starts from the colocate run's warm start)."""
     from relax_core.config import load_config, replace
 
-    own = load_config(os.path.join(REPO, TASKS[task].cfg)).seed
-    return prepared_policy(replace(cfg, seed=own))
+    own = load_config(os.path.join(REPO, TASKS[task].cfg))
+    cache = {"policy_cache_dir": cfg.checkpoint.policy_cache_dir}
+    return prepared_policy(replace(own, checkpoint=cache, **repo_data(own)))

@@ -63,11 +63,14 @@ def test_async_config_checks_name_the_field():
         _async(services={"rollout_workers": 0})
 
 
-def test_cpu_async_config_is_cpu_default_in_async_mode():
+def test_cpu_async_config_is_cpu_default_in_async_mode_on_a_float32_model():
     fast, slow = load_config("configs/cpu-async.yaml"), load_config("configs/cpu-default.yaml")
     assert fast.mode == "async" and fast.rollout.max_staleness == 1
-    assert fast.model == slow.model and fast.data == slow.data
+    assert fast.data == slow.data and fast.rollout.temperature == slow.rollout.temperature
     assert fast.warm_start == slow.warm_start and fast.train.total_steps == slow.train.total_steps
+    # async roles take no bf16 matmuls; cpu-async keeps the float32 model its figures are of
+    assert slow.model.matmul_dtype == "bfloat16" and fast.model.matmul_dtype == ""
+    assert (fast.model.kind, fast.model.num_layers) == (slow.model.kind, slow.model.num_layers)
 
 
 def test_role_config_loads_from_yaml_json_file_or_json_text(tmp_path):

@@ -195,7 +195,11 @@ from relax_core.config import load_config, replace
 from relax_core.models.tiny import build_char_tokenizer, build_tiny_qwen3
 from relax_core.train.batch import make_micro_batch
 from relax_core.train.factory import make_backend
-cfg = replace(load_config("configs/cpu-default.yaml"), train={"backend": "fsdp", "lr": 0.01})
+cfg = replace(
+    load_config("configs/cpu-default.yaml"),
+    train={"backend": "fsdp", "lr": 0.01},
+    model={"matmul_dtype": ""},  # FSDP2 has its own mixed precision (model.dtype)
+)
 tok = build_char_tokenizer()
 model = build_tiny_qwen3(cfg.model, len(tok), seed=0)
 backend = make_backend(model, cfg)
