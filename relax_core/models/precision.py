@@ -61,3 +61,22 @@ def linear_layers_in(model, dtype: torch.dtype):
         model.set_output_embeddings(TiedHead(head.weight, dtype))
     use_float32_attention(model)
     return model
+
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""x86 CPU flags under which torch's bf16 matmuls run natively (faster than float32)."""
+
+
+def cpu_lacks_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True on an x86 CPU whose flags (Linux's `cpuinfo`) name no native bf16 instructions,
+    where bf16 matmuls are converted to float32 around each product and can be slower than
+    float32 ones; False where they are native or it cannot tell (another OS or architecture)."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return False
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    if " avx2" not in flags and " sse2" not in flags:
+        return False  # not an x86 CPU's flags
+    return not any(f in flags.split() for f in BF16_FLAGS)

@@ -84,6 +84,7 @@ def preflight(cfg: RunConfig) -> None:
             f"algorithm.teacher: {teacher} is not a model directory (no config.json); give a "
             "checkpoint directory such as .relax/checkpoints/<run id>/step_000200"
         )
+    _warn_emulated_bf16(cfg)
     from relax_core.ops.notify import check_notify
 
     problems += check_notify(cfg.services.notify)
@@ -104,6 +105,24 @@ def preflight(cfg: RunConfig) -> None:
             problems.append(f"queue.root: {exc}")
     if problems:
         raise ConfigError("config cannot run:\n  - " + "\n  - ".join(problems))
+
+
+def _warn_emulated_bf16(cfg: RunConfig) -> None:
+    """A warning (not a refusal: the run works, slower) for bf16 matmuls on a CPU without
+    native bf16."""
+    if not cfg.model.matmul_dtype:
+        return
+    import torch
+
+    from relax_core.models.precision import cpu_lacks_native_bf16
+
+    if not torch.cuda.is_available() and cpu_lacks_native_bf16():
+        log.warning(
+            "model.matmul_dtype: %s on a CPU without native bf16 (no avx512_bf16 or amx_bf16 "
+            "flag): its matmuls may run slower than float32 ones; delete the setting to run in "
+            "float32 (docs/gpus.md)",
+            cfg.model.matmul_dtype,
+        )
 
 
 CLUSTER_ENV = "KUBERNETES_SERVICE_HOST"

@@ -147,3 +147,36 @@ def test_the_config_refuses_it_where_it_does_not_apply(sections, expected):
     others = {k: v for k, v in sections.items() if k != "model"}
     with pytest.raises(ConfigError, match=re.escape(f"model.matmul_dtype: {expected}")):
         _cfg(model=model, **others)
+
+
+@pytest.mark.parametrize(
+    ("text", "lacks"),
+    [
+        ("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n", False),
+        ("processor\t: 0\nflags\t\t: fpu sse2 avx2 amx_bf16 amx_tile\n", False),
+        ("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n", True),
+        ("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n", False),  # ARM: cannot tell
+    ],
+)
+def test_a_cpu_without_native_bf16_is_recognised_by_its_flags(tmp_path, text, lacks):
+    from relax_core.models.precision import cpu_lacks_native_bf16
+
+    (tmp_path / "cpuinfo").write_text(text)
+    assert cpu_lacks_native_bf16(str(tmp_path / "cpuinfo")) is lacks
+    assert cpu_lacks_native_bf16(str(tmp_path / "absent")) is False
+
+
+def test_preflight_warns_of_bf16_matmuls_on_a_cpu_without_native_bf16(monkeypatch, caplog):
+    """A warning that names the setting and what to do; the run is not refused."""
+    import relax_core.models.precision as precision
+    from relax_core.run import lifecycle
+
+    cfg = _cfg(model={"matmul_dtype": "bfloat16"})
+    monkeypatch.setattr(precision, "cpu_lacks_native_bf16", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level("WARNING", logger=lifecycle.__name__):
+        lifecycle._warn_emulated_bf16(cfg)
+        lifecycle._warn_emulated_bf16(_cfg(model={"matmul_dtype": ""}))  # float32: no warning
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "without native bf16" in warned[0]
+    assert "delete the setting" in warned[0]
