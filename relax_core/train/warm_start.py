@@ -72,15 +72,52 @@ def warm_start(
     probe is checked in float32."""
     if not examples:
         raise ValueError("the warm start has no examples")
-    if matmul_dtype is not None:
-        with float32_attention(model):
-            return _warm_start(
-                model, tokenizer, examples, steps, lr, batch_size, seed, media,
-                target_accuracy, matmul_dtype,
-            )  # fmt: skip
-    return _warm_start(
-        model, tokenizer, examples, steps, lr, batch_size, seed, media, target_accuracy, None
-    )
+    train, probe = _split_probe(examples, media, seed, target_accuracy, tokenizer.pad_token_id)
+    bf16 = float32_attention(model) if matmul_dtype is not None else contextlib.nullcontext()
+    with bf16:
+        backend = TorchBackend(
+            model,
+            lr=lr,
+            grad_clip=1.0,
+            compute_dtype=matmul_dtype,
+            weights_dtype=torch.float32 if matmul_dtype is not None else None,
+        )
+
+        def probe_accuracy() -> float | None:
+            if probe is None:
+                return None
+            return float(greedy_matches(model, probe.to(backend.device)).float().mean())
+
+        rng = random.Random(seed)
+        losses: list[float] = []
+        for step in range(steps):
+            if probe is not None and step % CHECK_EVERY == 0:
+                accuracy = probe_accuracy()
+                if accuracy is not None and accuracy >= target_accuracy:
+                    return WarmStartResult(losses, accuracy)
+            picks = [train[i] for i in rng.sample(range(len(train)), min(batch_size, len(train)))]
+            mb = _batch(examples, media, picks, tokenizer.pad_token_id)
+            losses.append(backend.train_step([mb], _ce_loss)["sft_loss"])
+        return WarmStartResult(losses, probe_accuracy())
+
+
+def _split_probe(
+    examples: list[Example], media: list | None, seed: int, target_accuracy: float, pad: int
+) -> tuple[list[int], MicroBatch | None]:
+    """(the indices the warm start trains on, the held-out probe's batch or None without a
+    target accuracy)."""
+    train = list(range(len(examples)))
+    if target_accuracy <= 0:
+        return train, None
+    size = min(PROBE_SIZE, len(examples) // 10)
+    if size < 1:
+        raise ValueError(
+            f"warm_start.target_accuracy: {len(examples)} examples are too few to hold out a "
+            "probe (10 at least); set it to 0"
+        )
+    # Its own stream, so the training batches of a seed depend only on the probe's size.
+    held = set(random.Random(f"warm-start-probe-{seed}").sample(train, size))
+    return [i for i in train if i not in held], _batch(examples, media, sorted(held), pad)
 
 
 @contextlib.contextmanager
@@ -95,56 +132,6 @@ def float32_attention(model: Any) -> Iterator[None]:
         yield
     finally:
         model.set_attn_implementation(before)
-
-
-def _warm_start(
-    model: Any,
-    tokenizer: Any,
-    examples: list[Example],
-    steps: int,
-    lr: float,
-    batch_size: int,
-    seed: int,
-    media: list | None,
-    target_accuracy: float,
-    matmul_dtype: torch.dtype | None,
-) -> WarmStartResult:
-    backend = TorchBackend(
-        model,
-        lr=lr,
-        grad_clip=1.0,
-        compute_dtype=matmul_dtype,
-        weights_dtype=torch.float32 if matmul_dtype is not None else None,
-    )
-    rng = random.Random(seed)
-    train, probe = list(range(len(examples))), None
-    if target_accuracy > 0:
-        size = min(PROBE_SIZE, len(examples) // 10)
-        if size < 1:
-            raise ValueError(
-                f"warm_start.target_accuracy: {len(examples)} examples are too few to hold out a "
-                "probe (10 at least); set it to 0"
-            )
-        # Its own stream, so the training batches of a seed depend only on the probe's size.
-        held = set(random.Random(f"warm-start-probe-{seed}").sample(train, size))
-        train = [i for i in train if i not in held]
-        probe = _batch(examples, media, sorted(held), tokenizer.pad_token_id)
-
-    def probe_accuracy() -> float | None:
-        if probe is None:
-            return None
-        return float(greedy_matches(model, probe.to(backend.device)).float().mean())
-
-    losses: list[float] = []
-    for step in range(steps):
-        if probe is not None and step % CHECK_EVERY == 0:
-            accuracy = probe_accuracy()
-            if accuracy is not None and accuracy >= target_accuracy:
-                return WarmStartResult(losses, accuracy)
-        picks = [train[i] for i in rng.sample(range(len(train)), min(batch_size, len(train)))]
-        mb = _batch(examples, media, picks, tokenizer.pad_token_id)
-        losses.append(backend.train_step([mb], _ce_loss)["sft_loss"])
-    return WarmStartResult(losses, probe_accuracy())
 
 
 def _batch(examples: list[Example], media: list | None, picks: list[int], pad: int) -> MicroBatch:
