@@ -12,8 +12,9 @@ fails.
 - the output check catches a local path, and without it the next pod cannot open that path;
 - colocate (cpu-default, shortened): one rl_steps pod is killed once it has committed a
   checkpoint and rerun in a fresh pod; the run ends at total_steps with every step logged;
-- async-tasks (cpu-async, shortened): test_pod_rehearsal_async.py, a file of its own so that
-  pytest-xdist runs it beside this one.
+- async-tasks (cpu-async, shortened): rollout, advantages and trainer pods side by side; the
+  trainer is killed after its first checkpoint and rerun; the others end on their own and the
+  exactly-once audit (in a pod of its own) finds nothing lost or trained twice.
 
 Needs root and iproute2 for namespaces; elsewhere the rehearsal says so (a warning and a printed
 line) and runs plain processes on loopback, which still catches a local path handed on.
@@ -26,19 +27,58 @@ import socket
 from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.rehearsal.cluster import REPO
+from relax_core.config import config_from_dict, config_to_dict
+from tests.rehearsal.cluster import REPO, open_cluster
 from tests.rehearsal.driver import PodError, kill_after, newer_checkpoint
 from tests.rehearsal.outputs import LocalPathInOutput, check_outputs
 from tests.rehearsal.pods import image_files
-from tests.rehearsal.runs import (
-    ROOT_PREFIX,
-    logged_steps,
-    registered_from,
-    rehearsal_cluster,  # noqa: F401  (the `cluster` fixture, one per module)
-    rehearsal_config,
-    versions,
-)
+
+ROOT_PREFIX = "runs"
+"""Both runs share one storage root (each has its own run id under it), so the second run finds
+the starting policy the first prepared, as a run on a cluster would."""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Network, storage host and pod launcher, shared by the module; where namespaces cannot be
+    made, open_network says so (an IsolationUnavailable warning and a printed line)."""
+    with open_cluster(tmp_path_factory.mktemp("rehearsal")) as c:
+        yield c
+
+
+def _config(cluster, name: str, **sections) -> dict:
+    """configs/<name> with `sections` merged in, its state under the shared storage root."""
+    data = yaml.safe_load(Path(REPO, "configs", name).read_text())
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    data["storage"] = {
+        "root": cluster.storage_root(ROOT_PREFIX),
+        "endpoint_url": cluster.endpoint_url,
+    }
+    data.setdefault("tracking", {})["progress"] = False
+    return config_to_dict(config_from_dict(data))
+
+
+def _logged_steps(tracking_uri: str, run_id: str, key: str) -> tuple[str, set[int]]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    status = client.get_run(run_id).info.status
+    return status, {m.step for m in client.get_metric_history(run_id, key)}
+
+
+def _registered_from(tracking_uri: str, model: str) -> list[str]:
+    """The MLflow run ids the versions of registered model `model` came from."""
+    from mlflow.tracking import MlflowClient
+
+    return [v.run_id for v in MlflowClient(tracking_uri).search_model_versions(f"name='{model}'")]
+
+
+def _versions(records) -> list[int]:
+    return [int(r.outputs["o0"].rsplit("_", 1)[-1]) for r in records if r.outputs]
+
 
 # --------------------------------------------------------------------------- the harness itself
 
@@ -132,7 +172,7 @@ def test_colocate_run_in_pods_survives_a_killed_rl_steps_pod(cluster) -> None:
     from workflows.train import train
 
     total = 30
-    cfg = rehearsal_config(
+    cfg = _config(
         cluster,
         "cpu-default.yaml",
         train={"total_steps": total, "steps_per_node": 15, "checkpoint_every": 5, "eval_every": 0},
@@ -147,15 +187,56 @@ def test_colocate_run_in_pods_survives_a_killed_rl_steps_pod(cluster) -> None:
     assert summary["eval_accuracy_after"] > summary["eval_accuracy_before"], summary
     steps = result.pods_of("rl_steps")
     assert [r.killed for r in steps].count(True) == 1, [(r.pod, r.killed) for r in steps]
-    done = versions(steps)
+    done = _versions(steps)
     assert done == sorted(done) and done[-1] == total, done
     # The rerun resumed from what the killed pod committed: every step is logged, none lost.
     status, logged = cluster.on_ctl(
-        logged_steps, cluster.tracking_uri, summary["mlflow_run_id"], "train/reward_mean"
+        _logged_steps, cluster.tracking_uri, summary["mlflow_run_id"], "train/reward_mean"
     )
     assert status == "FINISHED"
     assert set(range(1, total + 1)) <= logged, sorted(set(range(1, total + 1)) - logged)
     # The final policy is registered, its files in the object store behind the tracking server.
-    sources = cluster.on_ctl(registered_from, cluster.tracking_uri, "relax-cpu-default")
+    sources = cluster.on_ctl(_registered_from, cluster.tracking_uri, "relax-cpu-default")
     assert summary["mlflow_run_id"] in sources, sources
     assert cluster.watch.fs.find(f"{cluster.bucket}/mlflow"), "no model files in the object store"
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_async_tasks_run_in_pods_survives_a_killed_trainer_and_audits_clean(cluster) -> None:
+    from workflows.train import train
+
+    total, groups = 20, 32
+    cfg = _config(
+        cluster,
+        "cpu-async.yaml",
+        train={"total_steps": total, "checkpoint_every": 5, "eval_every": 0},
+        data={"eval_size": 128},  # no accuracy claim here: a shorter eval
+        rollout={"groups_per_step": groups},
+        services={"launch": "tasks"},
+    )
+    root = cluster.storage_root(ROOT_PREFIX)
+    faults = [kill_after("trainer_service", newer_checkpoint())]
+    rehearsal = cluster.rehearsal(root, faults=faults, grace_s=90)
+    result = rehearsal.run(train, {"cfg": cfg})
+
+    summary = result.outputs["o0"]
+    assert summary["steps"] == total, summary
+    trainers = result.pods_of("trainer_service")
+    assert [r.killed for r in trainers] == [True, False], [(r.pod, r.killed) for r in trainers]
+    for role in ("rollout_service", "advantages_service"):  # they ended on their own
+        assert [r.killed for r in result.pods_of(role)] == [False], role
+    audit = rehearsal.call(
+        "tests.rehearsal.checks:queue_audit",
+        {
+            "cfg_json": result.pods_of("prepare_data")[0].outputs["cfg_json"],
+            "checkpoint": summary["checkpoint"],
+        },
+    )
+    assert audit["lost_groups"] == 0 and audit["duplicated_groups"] == 0, audit
+    assert audit["trained_groups"] == total * groups, audit
+    assert audit["trained_but_never_generated"] == 0, audit
+    status, logged = cluster.on_ctl(
+        _logged_steps, cluster.tracking_uri, summary["mlflow_run_id"], "train/reward_mean"
+    )
+    assert status == "FINISHED" and set(range(1, total + 1)) <= logged, sorted(logged)

@@ -10,7 +10,6 @@ netns.py builds the network (or says it cannot and falls back to loopback), pods
 pod, servers.py the storage host's servers, cluster.py puts the three together, graph.py walks
 the workflow's compiled graph, driver.py runs it pod by pod with fault injection, outputs.py
 checks what tasks return, and pod_main.py is what runs inside a pod (probes.py, probe_tasks.py
-and checks.py are what the tests run there; runs.py is what the test files share: the cluster
-fixture, run configs and MLflow reads). Only root on Linux gets real isolation; elsewhere
+and checks.py are what the tests run there). Only root on Linux gets real isolation; elsewhere
 the rehearsal says so and runs plain processes.
 """
