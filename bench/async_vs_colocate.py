@@ -163,13 +163,13 @@ def main() -> None:
     }
     chosen = args.variants.split(",")
     results: dict[str, list[dict]] = {"colocate": [], **{v: [] for v in chosen}}
+    # The colocate side on the async config's model, so both start from one policy
+    # (cpu-default computes its matmuls in bf16, which async roles do not take).
+    from relax_core.config import load_config
+
+    model = dataclasses.asdict(load_config(args.async_cfg).model)
     for r in range(args.rounds):
         with tempfile.TemporaryDirectory(prefix="bench-async-", dir=args.keep) as work:
-            # The colocate side on the async config's model, so both start from one policy
-            # (cpu-default computes its matmuls in bf16, which async roles do not take).
-            from relax_core.config import load_config
-
-            model = dataclasses.asdict(load_config(args.async_cfg).model)
             cfg = _config(args.colocate, work, args.steps, model=model)
             results["colocate"].append(run_colocate(cfg, work))
             _report("colocate", r, results["colocate"][-1], cores)

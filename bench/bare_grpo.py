@@ -64,6 +64,22 @@ def response_logp(model, hidden, tokens, real, temperature: float) -> torch.Tens
     return torch.zeros(tokens.shape).masked_scatter(real, logp)
 
 
+def numerics(model, matmuls: torch.dtype | None):
+    """The engine's numerics for `model` under `model.matmul_dtype` (`matmuls`, None for
+    float32): float32 attention set on the model, and a function giving the context a forward
+    runs in (autocast to `matmuls`, or nothing)."""
+    if matmuls is None:
+        return contextlib.nullcontext
+    from relax_core.models.attention import use_float32_attention
+
+    use_float32_attention(model)
+    return lambda: torch.autocast("cpu", dtype=matmuls)
+
+
+def matmul_dtype(cfg) -> torch.dtype | None:
+    return getattr(torch, cfg.model.matmul_dtype) if cfg.model.matmul_dtype else None
+
+
 def warm_start(
     model,
     tok,
@@ -80,11 +96,7 @@ def warm_start(
     a `target` accuracy, the engine's probe (held out; checked before the first step and every
     10 steps: every answer token the greedy choice, in float32) ends it early. `matmuls`: the
     training forward under autocast to it, attention in float32. Returns the steps taken."""
-    if matmuls is not None:
-        from relax_core.models.attention import use_float32_attention
-
-        use_float32_attention(model)
-    compute = (lambda: torch.autocast("cpu", dtype=matmuls)) if matmuls else contextlib.nullcontext
+    compute = numerics(model, matmuls)
     opt, rng, eos, pad = adamw(model, lr), random.Random(seed), tok.eos_token_id, tok.pad_token_id
     prompts = tok([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
     answers = [
@@ -145,17 +157,7 @@ class BareGRPO:
         # comparison must run on the same ones.
         use_deterministic_kernels(cfg.train.deterministic)
         self.epoch, self.pos, self.order = 0, 0, None
-        self.matmuls = getattr(torch, cfg.model.matmul_dtype) if cfg.model.matmul_dtype else None
-        if self.matmuls is not None:
-            from relax_core.models.attention import use_float32_attention
-
-            use_float32_attention(model)
-
-    def compute(self):
-        """The forward's numerics: autocast to model.matmul_dtype when the config sets one."""
-        if self.matmuls is None:
-            return contextlib.nullcontext()
-        return torch.autocast("cpu", dtype=self.matmuls)
+        self.compute = numerics(model, matmul_dtype(cfg))
 
     def next_prompts(self, n: int) -> list[int]:
         """The engine's order: one permutation of the dataset per (seed, epoch)."""
@@ -307,8 +309,9 @@ def main() -> None:
     tok = build_char_tokenizer()
     model = build_tiny_qwen3(cfg.model, len(tok), seed)
     w = cfg.warm_start
-    matmuls = getattr(torch, cfg.model.matmul_dtype) if cfg.model.matmul_dtype else None
-    warm_start(model, tok, rows, w.steps, w.lr, w.batch_size, seed, w.target_accuracy, matmuls)
+    warm_start(
+        model, tok, rows, w.steps, w.lr, w.batch_size, seed, w.target_accuracy, matmul_dtype(cfg)
+    )
     loop = BareGRPO(model, tok, rows, cfg, seed, resolve_reward(cfg.reward.name))
     ids = torch.tensor(tok([r["prompt"] for r in held_out], add_special_tokens=False)["input_ids"])
     evals = [{"step": 0, "accuracy": loop.accuracy(ids, held_out), "time": time.time()}]
