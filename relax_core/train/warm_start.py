@@ -73,8 +73,8 @@ def warm_start(
     if not examples:
         raise ValueError("the warm start has no examples")
     train, probe = _split_probe(examples, media, seed, target_accuracy, tokenizer.pad_token_id)
-    bf16 = float32_attention(model) if matmul_dtype is not None else contextlib.nullcontext()
-    with bf16:
+    attention = float32_attention(model) if matmul_dtype is not None else contextlib.nullcontext()
+    with attention:
         backend = TorchBackend(
             model,
             lr=lr,
