@@ -90,12 +90,15 @@ def warm_start(
     seed: int,
     target: float,
     matmuls: torch.dtype | None = None,
+    per_length: bool = False,
 ) -> int:
     """Next-token loss on answer + EOS, token mean, the engine's batches for `seed`; as in the
     engine, right padding masked and the LM head only where an answer token is predicted. With
     a `target` accuracy, the engine's probe (held out; checked before the first step and every
     10 steps: every answer token the greedy choice, in float32) ends it early. `matmuls`: the
-    training forward under autocast to it, attention in float32. Returns the steps taken."""
+    training forward under autocast to it, attention in float32. `per_length`: the target
+    holds on each answer length (EOS included) that is a tenth of the probe or more, as the
+    engine's warm_start.target_per_length. Returns the steps taken."""
     compute = numerics(model, matmuls)
     opt, rng, eos, pad = adamw(model, lr), random.Random(seed), tok.eos_token_id, tok.pad_token_id
     prompts = tok([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
@@ -128,7 +131,16 @@ def warm_start(
             hit = torch.ones(tokens.shape, dtype=torch.bool).masked_scatter(
                 mask, best == tokens[mask]
             )
-            return float(hit.all(1).float().mean())
+            right = hit.all(1)
+            if not per_length:
+                return float(right.float().mean())
+            lengths = mask.sum(1)
+            common = [
+                n for n in lengths.unique().tolist() if (lengths == n).sum() * 10 >= len(probe)
+            ]
+            if not common:
+                return float(right.float().mean())
+            return min(float(right[lengths == n].float().mean()) for n in common)
 
     for step in range(steps + 1):
         if probe and step % 10 == 0 and probe_accuracy() >= target:
@@ -310,7 +322,16 @@ def main() -> None:
     model = build_tiny_qwen3(cfg.model, len(tok), seed)
     w = cfg.warm_start
     warm_start(
-        model, tok, rows, w.steps, w.lr, w.batch_size, seed, w.target_accuracy, matmul_dtype(cfg)
+        model,
+        tok,
+        rows,
+        w.steps,
+        w.lr,
+        w.batch_size,
+        seed,
+        w.target_accuracy,
+        matmul_dtype(cfg),
+        w.target_per_length,
     )
     loop = BareGRPO(model, tok, rows, cfg, seed, resolve_reward(cfg.reward.name))
     ids = torch.tensor(tok([r["prompt"] for r in held_out], add_special_tokens=False)["input_ids"])

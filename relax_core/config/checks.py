@@ -265,6 +265,11 @@ def validate(cfg: RunSections) -> list[str]:
     target = cfg.warm_start.target_accuracy
     if not 0.0 <= target <= 1.0:
         e.append(f"warm_start.target_accuracy: must be in [0, 1], got {target}")
+    if cfg.warm_start.target_per_length and cfg.warm_start.steps and not target:
+        e.append(
+            "warm_start.target_per_length: holds warm_start.target_accuracy on each response "
+            "length, and that is 0 (the warm start trains every step); set a target or unset it"
+        )
     choice(e, "data.template", cfg.data.template, TEMPLATES)
     positive(e, "data.eval_size", cfg.data.eval_size, allow_zero=True)
     r = cfg.rollout

@@ -80,6 +80,11 @@ class WarmStartConfig:
     are all the policy's greedy choice. A tiny policy learns at a pace its seed decides (one
     seed's policy is right a fifth of the time after 150 steps, another's after 450); a target
     gives every seed's RL the same kind of start."""
+    target_per_length: bool = False
+    """Hold `target_accuracy` on each response length (trained tokens per example) that makes
+    up a tenth of the probe or more, not only on the probe as a whole. A policy can meet the
+    target on its short answers alone and still almost never produce the long ones right; RL
+    then samples no right long answer to learn from (docs/workloads.md)."""
 
 
 @dataclass(frozen=True)

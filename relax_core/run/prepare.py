@@ -114,9 +114,12 @@ class PolicySpec:
             "model": model,
             "warm_start": dataclasses.asdict(self.warm_start),
         }
-        if not (self.warm_start.target_accuracy and self.warm_start.steps):
+        w = self.warm_start
+        if not (w.target_accuracy and w.steps):
             # Absent when it shapes nothing, so older policies keep their keys.
             parts["warm_start"].pop("target_accuracy")  # type: ignore[attr-defined]
+        if not (w.target_per_length and w.target_accuracy and w.steps):
+            parts["warm_start"].pop("target_per_length")  # type: ignore[attr-defined]
         if self.model.kind != "pretrained" or self.warm_start.steps > 0:
             # The seed draws a tiny policy's weights and a warm start's batches; a converted
             # pretrained policy is the same whatever it is (runs of several seeds share it).
@@ -250,6 +253,7 @@ def _run_warm_start(cfg: PolicySpec, model, tokenizer) -> dict[str, object]:
         cfg.seed,
         media=media,
         target_accuracy=w.target_accuracy,
+        target_per_length=w.target_per_length,
         matmul_dtype=getattr(torch, matmuls) if matmuls else None,
     )
     losses = result.losses

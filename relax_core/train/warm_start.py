@@ -61,6 +61,7 @@ def warm_start(
     media: list | None = None,
     target_accuracy: float = 0.0,
     matmul_dtype: torch.dtype | None = None,
+    target_per_length: bool = False,
 ) -> WarmStartResult:
     """Train `model` in place on (prompt_ids, response_ids, loss_mask) examples, `steps` steps
     or, with a `target_accuracy`, until that share of a held-out probe of the examples has every
@@ -69,7 +70,9 @@ def warm_start(
     inputs (an omni policy), in example order. `matmul_dtype` (a float32 text policy's
     `model.matmul_dtype`): the training forward runs as the RL trainer's does, linear layers in
     it under autocast, attention and the rest in float32; the weights stay float32, and the
-    probe is checked in float32."""
+    probe is checked in float32. `target_per_length`: the target must hold on each response
+    length (trained tokens per example) that makes up a tenth of the probe or more, not only
+    on the probe as a whole (probe_accuracy then reports the weakest such length)."""
     if not examples:
         raise ValueError("the warm start has no examples")
     train, probe = _split_probe(examples, media, seed, target_accuracy, tokenizer.pad_token_id)
@@ -86,7 +89,10 @@ def warm_start(
         def probe_accuracy() -> float | None:
             if probe is None:
                 return None
-            return float(greedy_matches(model, probe.to(backend.device)).float().mean())
+            hits = greedy_matches(model, probe.to(backend.device)).cpu()
+            if not target_per_length:
+                return float(hits.float().mean())
+            return weakest_length_accuracy(hits, probe.loss_mask.sum(dim=1))
 
         rng = random.Random(seed)
         losses: list[float] = []
@@ -99,6 +105,16 @@ def warm_start(
             mb = _batch(examples, media, picks, tokenizer.pad_token_id)
             losses.append(backend.train_step([mb], _ce_loss)["sft_loss"])
         return WarmStartResult(losses, probe_accuracy())
+
+
+def weakest_length_accuracy(hits: torch.Tensor, lengths: torch.Tensor) -> float:
+    """The lowest share of `hits` [B] bool among the rows of one of `lengths` [B] that makes
+    up a tenth of the rows or more (the share over all rows when none does)."""
+    counts = torch.bincount(lengths.long().cpu())
+    common = [n for n in range(len(counts)) if counts[n] * 10 >= len(hits)]
+    if not common:
+        return float(hits.float().mean())
+    return min(float(hits[lengths == n].float().mean()) for n in common)
 
 
 def _split_probe(

@@ -13,7 +13,12 @@ from relax_core.models.tiny import build_char_tokenizer, build_tiny_qwen3
 from relax_core.run.prepare import PolicySpec
 from relax_core.train.batch import make_micro_batch
 from relax_core.train.torch_backend import greedy_matches
-from relax_core.train.warm_start import CHECK_EVERY, answer_example, warm_start
+from relax_core.train.warm_start import (
+    CHECK_EVERY,
+    answer_example,
+    warm_start,
+    weakest_length_accuracy,
+)
 
 SMALL = ModelConfig(
     kind="tiny-qwen3", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
@@ -144,3 +149,57 @@ def test_a_bf16_warm_start_trains_float32_weights_and_leaves_the_attention_as_it
     assert bf16[-1] < bf16[0] / 2
     assert f32 != bf16  # bf16 matmuls round differently...
     assert max(abs(a - b) for a, b in zip(f32[:5], bf16[:5], strict=True)) < 0.05  # ...only
+
+
+def test_the_weakest_length_is_read_among_the_lengths_a_tenth_of_the_probe_holds():
+    lengths = torch.tensor([2] * 12 + [3] * 7 + [4])
+    hits = torch.tensor([True] * 9 + [False] * 3 + [True] * 2 + [False] * 5 + [False])
+    # Length 4 (one row of 20) is too rare to count; length 3 is right 2 times of 7.
+    assert weakest_length_accuracy(hits, lengths) == pytest.approx(2 / 7)
+    # No length common enough: the share over all rows.
+    many = torch.arange(20)
+    assert weakest_length_accuracy(hits, many) == pytest.approx(11 / 20)
+
+
+def _two_form_examples(tok, n: int):
+    """Prompts whose first digit is 8 or 9 (a fifth) answer "123", the others "7"."""
+    prompts = _prompts(tok, n, seed=1)
+    return [answer_example(tok, p, "123" if tok.decode(p[:1]) in "89" else "7") for p in prompts]
+
+
+def test_a_per_length_target_trains_on_until_the_long_answers_reach_it_too():
+    """The short answer alone meets a 0.75 target on the whole probe; held per length, the warm
+    start goes on until the long answers are right that often as well."""
+    tok = build_char_tokenizer()
+    examples = _two_form_examples(tok, 400)
+    fresh = [answer_example(tok, p, "") for p in _prompts(tok, 400, seed=5)]
+    runs = {}
+    for per_length in (False, True):
+        model = build_tiny_qwen3(SMALL, len(tok), seed=0)
+        result = warm_start(
+            model, tok, examples, 600, 0.01, 16, seed=0, target_accuracy=0.75,
+            target_per_length=per_length,
+        )  # fmt: skip
+        # Greedy accuracy on new prompts of each form.
+        long = [(p, "123") for p, _, _ in fresh if tok.decode(p[:1]) in "89"]
+        rows = [answer_example(tok, p, a) for p, a in long]
+        mb = make_micro_batch(*map(list, zip(*rows, strict=True)), tok.pad_token_id)
+        with torch.no_grad():
+            runs[per_length] = (result, float(greedy_matches(model.eval(), mb).float().mean()))
+    (whole, long_whole), (each, long_each) = runs[False], runs[True]
+    assert whole.steps < each.steps < 600
+    assert each.probe_accuracy is not None and each.probe_accuracy >= 0.75
+    assert long_whole < 0.5 <= long_each
+
+
+def test_a_per_length_target_needs_a_target_and_keys_the_policy_only_with_one():
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"warm_start": {"steps": 100, "target_per_length": True}})
+    assert "warm_start.target_per_length" in str(info.value)
+    target = {"steps": 150, "target_accuracy": 0.2}
+    whole = config_from_dict({"warm_start": target})
+    each = config_from_dict({"warm_start": {**target, "target_per_length": True}})
+    assert PolicySpec.of(whole).key() != PolicySpec.of(each).key()
+    cold = config_from_dict({"warm_start": {"steps": 0}})
+    cold_each = config_from_dict({"warm_start": {"steps": 0, "target_per_length": True}})
+    assert PolicySpec.of(cold).key() == PolicySpec.of(cold_each).key()
