@@ -24,7 +24,9 @@ class Task:
 
 
 TASKS = {
-    "tiny": Task("configs/cpu-default.yaml", steps=100, eval_every=10, target=0.30, warmup=2),
+    # The CPU default's warm start leaves the policy near 0.30 held-out (seeds 0-2); both sides
+    # reach 0.60 within 30-40 steps.
+    "tiny": Task("configs/cpu-default.yaml", steps=100, eval_every=10, target=0.60, warmup=2),
     "smollm2": Task("configs/smollm2-135m-cpu.yaml", steps=4, eval_every=2, target=0.9, warmup=1),
 }
 
