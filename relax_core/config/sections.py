@@ -83,8 +83,8 @@ class WarmStartConfig:
     target_per_length: bool = False
     """Hold `target_accuracy` on each response length (trained tokens per example) that makes
     up a tenth of the probe or more, not only on the probe as a whole. A policy can meet the
-    target on its short answers alone and still almost never produce the long ones right; RL
-    then samples no right long answer to learn from (docs/workloads.md)."""
+    target on its short answers alone and answer the long ones right far less often; RL then
+    samples few right long answers to learn from (docs/workloads.md)."""
 
 
 @dataclass(frozen=True)
