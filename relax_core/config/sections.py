@@ -74,17 +74,14 @@ class WarmStartConfig:
     """Prompts per supervised step."""
     target_accuracy: float = 0.0
     """Stop the warm start once the policy answers this share of a probe right (0 = train
-    exactly `steps`; otherwise `steps` is the most it trains, and steps 0 still means no warm
-    start, whatever the target). The probe is up to 256 train examples
-    the warm start holds out, checked every 10 steps: the share whose trained response tokens
-    are all the policy's greedy choice. A tiny policy learns at a pace its seed decides (one
-    seed's policy is right a fifth of the time after 150 steps, another's after 450); a target
-    gives every seed's RL the same kind of start."""
+    exactly `steps`, otherwise at most `steps`; steps 0 is no warm start, whatever the target).
+    The probe: up to 256 held-out train examples, checked every 10 steps, the share whose
+    trained response tokens are all the greedy choice. Seeds learn at their own pace (a fifth
+    right after 150 steps for one, 450 for another); a target gives each the same start."""
     target_per_length: bool = False
-    """Hold `target_accuracy` on each response length (trained tokens per example) that makes
-    up a tenth of the probe or more, not only on the probe as a whole. A policy can meet the
-    target on its short answers alone and answer the long ones right far less often; RL then
-    samples few right long answers to learn from (docs/workloads.md)."""
+    """Hold `target_accuracy` on each response length (trained tokens per example) that is a
+    tenth of the probe or more: a policy can meet it on short answers alone and rarely answer
+    long ones right, leaving RL few right samples of those (docs/workloads.md)."""
 
 
 @dataclass(frozen=True)
@@ -132,8 +129,7 @@ class RolloutConfig:
     max_staleness: int = 0
     """0 = strict on-policy (colocate); k > 0 lets rollout run k policy versions ahead."""
     dynamic_sampling: bool = False
-    """DAPO: drop groups whose rewards are all equal (no signal) and sample more prompts until
-    the step batch is full."""
+    """DAPO: drop groups of equal rewards (no signal); sample more prompts to fill the step."""
     max_sampling_rounds: int = 4
     """Dynamic sampling. Colocate: at most this many generation rounds per step; a step trains on
     what it has after the last one (counted in rollout/unfilled_groups). Async: a rollout worker
