@@ -172,7 +172,10 @@ def test_a_per_length_target_trains_on_until_the_long_answers_reach_it_too():
     start goes on until the long answers are right that often as well."""
     tok = build_char_tokenizer()
     examples = _two_form_examples(tok, 400)
-    fresh = [answer_example(tok, p, "") for p in _prompts(tok, 400, seed=5)]
+    # New prompts of the long form, to read greedy accuracy on after each warm start.
+    fresh = [p for p in _prompts(tok, 400, seed=5) if tok.decode(p[:1]) in "89"]
+    rows = [answer_example(tok, p, "123") for p in fresh]
+    mb = make_micro_batch(*map(list, zip(*rows, strict=True)), tok.pad_token_id)
     runs = {}
     for per_length in (False, True):
         model = build_tiny_qwen3(SMALL, len(tok), seed=0)
@@ -180,10 +183,6 @@ def test_a_per_length_target_trains_on_until_the_long_answers_reach_it_too():
             model, tok, examples, 600, 0.01, 16, seed=0, target_accuracy=0.75,
             target_per_length=per_length,
         )  # fmt: skip
-        # Greedy accuracy on new prompts of each form.
-        long = [(p, "123") for p, _, _ in fresh if tok.decode(p[:1]) in "89"]
-        rows = [answer_example(tok, p, a) for p, a in long]
-        mb = make_micro_batch(*map(list, zip(*rows, strict=True)), tok.pad_token_id)
         with torch.no_grad():
             runs[per_length] = (result, float(greedy_matches(model.eval(), mb).float().mean()))
     (whole, long_whole), (each, long_each) = runs[False], runs[True]
