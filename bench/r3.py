@@ -1,15 +1,17 @@
 """Cost of rollout routing replay (R3) on a tiny Qwen3-MoE policy on CPU, side by side.
 
-One process, one torch thread, the same weights and prompts for both sides, repeats alternating
-between them (so drift in machine load hits both alike); the median of each is reported:
+One process pinned to `--cpus` with `--threads` torch threads (one by default), the same weights
+and prompts for both sides, repeats alternating between them (so drift in machine load hits both
+alike); each repeat is an A/B pair. The median of each side is reported:
 - generate: the torch engine sampling a batch, plain vs recording each token's experts;
 - train: queue rows (Arrow) -> micro-batches -> one optimizer step, plain vs carrying the
   recorded experts and replaying them in the forward;
 - step: generate + train.
 
-    python bench/r3.py [--repeats 15] [--prompts 64] [--new-tokens 32]
+    python bench/r3.py [--repeats 15] [--prompts 64] [--new-tokens 32] [--cpus 0] [--threads 1]
 
-Last line: `headline: r3_overhead = X` (step seconds with R3 over without).
+Last line: `headline: r3_overhead = X`: the median over the pairs of step seconds with R3 over
+without, after the pairs' min-max.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import time
 
 import torch
 
+from bench.common import add_pin_args, cpu_set, median_range
 from relax_core.config import ModelConfig
 from relax_core.models.routing_replay import attach_routing_replay
 from relax_core.models.tiny import build_char_tokenizer, build_tiny_qwen3
@@ -96,8 +99,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
+    add_pin_args(p, threads=1)
     a = p.parse_args()
-    torch.set_num_threads(1)
+    cpus = cpu_set(a.cpus)
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(a.threads)
     tok = build_char_tokenizer()
     policy = build_tiny_qwen3(MODEL, len(tok), seed=0)
     texts = [f"{i}+{3 * i + 7}=" for i in range(a.prompts)]
@@ -123,14 +129,26 @@ def main() -> None:
     print(
         f"tiny Qwen3-MoE: hidden {MODEL.hidden_size}, {MODEL.num_layers} layers, "
         f"{MODEL.num_experts} experts top-{MODEL.experts_per_token}; {a.prompts} prompts x "
-        f"{a.new_tokens} new tokens; 1 torch thread; median of {a.repeats} alternating repeats"
+        f"{a.new_tokens} new tokens; CPUs {cpus}, {a.threads} torch threads; median of "
+        f"{a.repeats} alternating repeats"
     )
     print(f"{'phase':<10} {'plain s':>10} {'r3 s':>10} {'r3/plain':>10}")
     for part in ("gen", "train", "step"):
         plain, r3 = med["plain"][part], med["r3"][part]
         print(f"{part:<10} {plain:>10.4f} {r3:>10.4f} {r3 / plain:>10.3f}")
     print(f"generated tokens per side: plain {tokens['plain']}, r3 {tokens['r3']}")
-    print(f"headline: r3_overhead = {med['r3']['step'] / med['plain']['step']:.3f}")
+    pairs = [
+        (g3 + t3) / (g0 + t0)
+        for g3, t3, g0, t0 in zip(
+            times["r3"]["gen"],
+            times["r3"]["train"],
+            times["plain"]["gen"],
+            times["plain"]["train"],
+            strict=True,
+        )
+    ]
+    print(f"r3/plain step per pair: median (min-max) {median_range(pairs)}")
+    print(f"headline: r3_overhead = {statistics.median(pairs):.3f}")
 
 
 if __name__ == "__main__":
