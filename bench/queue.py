@@ -12,10 +12,14 @@ Backends: local disk (a temp dir; the queue with durable=False, since pipe_file 
 either, plus an informational durable=True row) and SeaweedFS (`weed mini` on loopback, started
 by tests/s3servers.py).
 
-    python bench/queue.py [--n 200] [--profile]
+Rounds (`--rounds`, 3 by default) repeat the whole measurement, the backends in turn; the process
+and the SeaweedFS server it starts are pinned to `--cpus`, with `--threads` for Arrow's pool.
 
-Last line: `headline: queue_overhead = X` (median queue put+read / median raw put+read, the
-larger of the two like-for-like backends).
+    python bench/queue.py [--n 200] [--rounds 3] [--cpus 0,1] [--threads 1] [--profile]
+
+Prints each round's table, then per backend the queue/raw ratio (median queue put+read over
+median raw put+read) as median (min-max) over the rounds; last line `headline: queue_overhead = X`,
+the larger of the two like-for-like backends' medians.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import fsspec
 import numpy as np
 import pyarrow as pa
 
+from bench.common import add_pin_args, cpu_set, median_range
 from relax_core.queue import TransferQueue, rows_to_table
 from relax_core.queue.ipc import encode_table
 from tests.s3servers import start_seaweedfs
@@ -203,8 +208,14 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=200, help="timed put+read per side and backend")
     parser.add_argument("--warmup", type=int, default=10, help="untimed iterations first")
     parser.add_argument("--groups", type=int, default=4, help="whole groups of 8 rows per put")
+    parser.add_argument("--rounds", type=int, default=3, help="whole measurements, one per round")
     parser.add_argument("--profile", action="store_true", help="cProfile the queue afterwards")
+    add_pin_args(parser, threads=1)
     args = parser.parse_args()
+    cpus = cpu_set(args.cpus)
+    os.sched_setaffinity(0, cpus)  # the SeaweedFS server started below inherits the set
+    pa.set_cpu_count(args.threads)
+    print(f"CPUs {cpus}, {args.threads} Arrow threads, {args.rounds} rounds", flush=True)
 
     rng = np.random.default_rng(0)
     tables = [rollout_table(rng, args.groups, step) for step in range(16)]
@@ -220,8 +231,13 @@ def main() -> None:
             Backend("local, durable=True", local, {}, durable=True, headline=False),
             Backend("seaweedfs", f"s3://{weed.bucket}/bench", weed.storage_options()),
         ]
-        rows = [measure(b, tables, args.n, args.warmup) for b in backends]
-        print_table(rows, args.n, args.groups, len(encode_table(tables[0])))
+        ratios: dict[str, list[float]] = {b.name: [] for b in backends}
+        for i in range(args.rounds):
+            rows = [measure(b, tables, args.n, args.warmup) for b in backends]
+            print(f"round {i}:")
+            print_table(rows, args.n, args.groups, len(encode_table(tables[0])))
+            for r in rows:
+                ratios[r["backend"]].append(r["queue_total"] / r["raw_total"])
         if args.profile:
             for b in backends:
                 if b.headline:
@@ -229,7 +245,9 @@ def main() -> None:
     finally:
         for stop in stops:
             stop()
-    worst = max(r["queue_total"] / r["raw_total"] for r in rows if r["headline"])
+    for b in backends:
+        print(f"{b.name}: queue/raw per round, median (min-max) {median_range(ratios[b.name], 2)}")
+    worst = max(statistics.median(ratios[b.name]) for b in backends if b.headline)
     print(f"headline: queue_overhead = {worst:.2f}")
 
 
