@@ -5,7 +5,8 @@ tokens with rollout/ref/old log-probs and advantages). Per iteration:
   queue  TransferQueue.put (validate, encode, payload + commit record) then .read (record,
          payload, decode, validate)
   raw    encode_table + fs.pipe_file to one path, then fs.cat_file + Arrow IPC decode
-on the same filesystem. The two run interleaved (the order swaps every iteration so neither
+on the same filesystem, zstd-compressed where the queue compresses (object storage) and not where
+it does not (local disk). The two run interleaved (the order swaps every iteration so neither
 always runs on a warmer cache), each with a fresh run_id / prefix.
 
 Backends: local disk (a temp dir; the queue with durable=False, since pipe_file does not fsync
@@ -107,9 +108,12 @@ class Backend:
 
 
 class Raw:
-    """The least a data bus has to do: encode, write one object, read it back, decode."""
+    """The least a data bus has to do: encode, write one object, read it back, decode. It
+    encodes as the queue does on the same backend: zstd for object storage, none on local disk
+    (relax_core/queue/ipc.py), so both sides move the same bytes."""
 
     def __init__(self, backend: Backend) -> None:
+        self.compress = not backend.root.startswith("/")
         self.fs, root = fsspec.core.url_to_fs(backend.root, **backend.storage_options)
         self.prefix = f"{root.rstrip('/')}/raw-{uuid.uuid4().hex[:8]}"
         if backend.root.startswith("/"):
@@ -119,7 +123,7 @@ class Raw:
     def put(self, table: pa.Table) -> str:
         path = f"{self.prefix}/{self.i:08d}.arrow"
         self.i += 1
-        self.fs.pipe_file(path, encode_table(table))
+        self.fs.pipe_file(path, encode_table(table, compress=self.compress))
         return path
 
     def read(self, path: str) -> pa.Table:
@@ -189,9 +193,13 @@ def profile(backend: Backend, tables: list[pa.Table], n: int) -> None:
     pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
 
 
-def print_table(rows: list[dict[str, Any]], n: int, groups: int, nbytes: int) -> None:
+def print_table(rows: list[dict[str, Any]], n: int, groups: int, table: pa.Table) -> None:
     print(f"{n} put+read per side, interleaved; {groups} groups x {GROUP_SIZE} rows per put,")
-    print(f"{nbytes / 1024:.1f} KiB Arrow IPC (zstd) per payload; medians in ms")
+    zstd, plain = len(encode_table(table)), len(encode_table(table, compress=False))
+    print(
+        f"{zstd / 1024:.1f} KiB Arrow IPC with zstd (object storage), {plain / 1024:.1f} KiB "
+        "without (local disk) per payload; medians in ms"
+    )
     head = ["backend", "queue put", "raw put", "queue read", "raw read", "queue p+r", "raw p+r"]
     print("| " + " | ".join(head + ["queue/raw"]) + " |")
     print("|" + "---|" * (len(head) + 1))
@@ -235,7 +243,7 @@ def main() -> None:
         for i in range(args.rounds):
             rows = [measure(b, tables, args.n, args.warmup) for b in backends]
             print(f"round {i}:")
-            print_table(rows, args.n, args.groups, len(encode_table(tables[0])))
+            print_table(rows, args.n, args.groups, tables[0])
             for r in rows:
                 ratios[r["backend"]].append(r["queue_total"] / r["raw_total"])
         if args.profile:
