@@ -49,6 +49,7 @@ from typing import Any
 import fsspec
 import numpy as np
 import pyarrow as pa
+from fsspec.implementations.local import LocalFileSystem
 
 from bench.common import add_pin_args, cpu_set, median_range
 from relax_core.queue import TransferQueue, rows_to_table
@@ -113,10 +114,11 @@ class Raw:
     (relax_core/queue/ipc.py), so both sides move the same bytes."""
 
     def __init__(self, backend: Backend) -> None:
-        self.compress = not backend.root.startswith("/")
         self.fs, root = fsspec.core.url_to_fs(backend.root, **backend.storage_options)
+        local = isinstance(self.fs, LocalFileSystem)  # the queue's own test (ObjectStore.is_local)
+        self.compress = not local
         self.prefix = f"{root.rstrip('/')}/raw-{uuid.uuid4().hex[:8]}"
-        if backend.root.startswith("/"):
+        if local:
             os.makedirs(self.prefix, exist_ok=True)
         self.i = 0
 

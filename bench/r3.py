@@ -10,8 +10,8 @@ alike); each repeat is an A/B pair. The median of each side is reported:
 
     python bench/r3.py [--repeats 15] [--prompts 64] [--new-tokens 32] [--cpus 0] [--threads 1]
 
-Last line: `headline: r3_overhead = X`: the median over the pairs of step seconds with R3 over
-without, after the pairs' min-max.
+Prints the R3/plain step ratio per pair as median (min-max), and last `headline: r3_overhead =
+X`, that median.
 """
 
 from __future__ import annotations
