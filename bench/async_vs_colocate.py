@@ -1,23 +1,35 @@
-"""Async vs colocate on this machine: wall time of the same RL run, and the machine bound.
+"""Async vs colocate on this machine: time to a held-out accuracy, wall time of the same steps,
+and the machine bound.
 
-For each round, in one process on the same cores: colocate (`configs/cpu-default.yaml` with
-`configs/cpu-async.yaml`'s model section, every role in one process, torch's default threads) and
-async (`configs/cpu-async.yaml`, every role its own process). Both start from the same cached
-warm-started policy; the untimed parts (start:
-eval at step 0 and checkpoint v0; finish: the final held-out eval) run in this process. The
-timed part is the training itself, measured around one child process (colocate) or the
-supervisor and its role processes (async), imports and model loading included for both.
+Each round is one seed (`--seeds`, one per round) and runs both sides, the order alternating
+from round to round; every side is a fresh process pinned to one CPU set (`--cpus`) that every
+process it starts inherits (bench.common.run_worker):
+  colocate  `configs/cpu-default.yaml` with `configs/cpu-async.yaml`'s model section (async
+            roles take no `model.matmul_dtype`, so both sides start from one policy and compute
+            in float32), every role in one process with `--threads` torch threads;
+  async     `configs/cpu-async.yaml` (and a variant's overrides), every role its own process,
+            sharing the same CPUs as the config's services section says (the trainer takes the
+            cores the rollout leaves).
+Both start from the same cached warm-started policy of the round's seed, prepared here before
+any worker runs. The untimed parts (start: eval at step 0 and checkpoint v0; finish: the final
+held-out eval) run in the worker; the timed part is the training itself, around one child
+process (colocate) or the supervisor and its role processes (async), imports and model loading
+included for both.
 
-Machine bound: the CPU-seconds the OS accounted to every async role process (wait4: user +
-system) divided by the cores. Async can be no faster than that: it is what the work would take
-with every core busy all the time.
+Per round: the accuracy both sides reach (the lower of their final held-out accuracies) and
+the time each first reaches it at an eval (`train.eval_every` sets the grid), so a side that
+learns less per step is not credited for stepping faster; the wall time of the same number of
+steps (overlap and per-step speed, not learning); and the machine bound, the CPU-seconds the
+OS accounted to every async role process (wait4: user + system) over the cores: async can be no
+faster than every core busy all the time.
 
-    python bench/async_vs_colocate.py [--rounds 1] [--steps 200]
+    python bench/async_vs_colocate.py [--rounds 3] [--seeds 0,1,2] [--steps 200]
+        [--variants elastic] [--cpus 0,1] [--threads 2]
 
-Last lines: `headline: async_speedup = X` (time colocate takes to reach its own final held-out
-accuracy / time async takes to reach it, median over rounds; the same-steps and per-step wall
-ratios are printed above it) and `headline: machine_bound_ratio = Y` (async wall / machine
-bound, for the same number of steps).
+Last lines, each the median over rounds with its min-max: `headline: async_speedup = X`
+(colocate's time to the accuracy both reach over the first async variant's),
+`headline: async_same_steps_speedup = Y` (colocate's wall over async's for the same steps) and
+`headline: machine_bound_ratio = Z` (async wall over its machine bound).
 """
 
 from __future__ import annotations
@@ -40,19 +52,51 @@ import time
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-from bench.common import prepared_policy, repo_data, work_sections, write_config
+from bench.common import (
+    add_pin_args,
+    cpu_set,
+    median_range,
+    placement,
+    prepared_policy,
+    repo_data,
+    run_worker,
+    work_sections,
+    write_config,
+)
+
+COLOCATE_CFG = os.path.join(REPO, "configs", "cpu-default.yaml")
+ASYNC_CFG = os.path.join(REPO, "configs", "cpu-async.yaml")
+VARIANTS: dict[str, dict] = {
+    "elastic": {},
+    "one-thread": {"services": {"trainer_threads": 1}},
+    "s2": {"rollout": {"max_staleness": 2}},
+    "s4": {"rollout": {"max_staleness": 4}},
+    "mb2048": {"train": {"micro_batch_tokens": 2048}},
+    "mb16k": {"train": {"micro_batch_tokens": 16384}},
+}
+"""Async variants: elastic (cpu-async.yaml as it is), one-thread (the trainer on 1 thread), s2
+and s4 (max_staleness 2 / 4), mb2048 and mb16k (the trainer's micro-batch tokens)."""
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0))
+def side_config(side: str, work: str, steps: int, seed: int):
+    """The run config of one side ("colocate" or an async variant) for a seed."""
+    from relax_core.config import load_config
+
+    if side == "colocate":
+        # On the async config's model, so both start from one policy (cpu-default computes its
+        # matmuls in bf16, which async roles do not take).
+        model = dataclasses.asdict(load_config(ASYNC_CFG).model)
+        return _config(COLOCATE_CFG, work, steps, seed, model=model)
+    return _config(ASYNC_CFG, work, steps, seed, **VARIANTS[side])
 
 
-def _config(path: str, work: str, steps: int, **over):
+def _config(path: str, work: str, steps: int, seed: int, **over):
     from relax_core.config import load_config, replace
 
     cfg = load_config(path)
     return replace(
         cfg,
+        seed=seed,
         train={"total_steps": steps, **over.pop("train", {})},
         **work_sections(work, experiment="bench-async"),
         **repo_data(cfg),
@@ -138,77 +182,90 @@ def _finish(cfg, checkpoint: str, wall: float, cpu: float, roles, wall0: float) 
     }
 
 
+def worker(side: str, work: str, steps: int, seed: int) -> None:
+    """One side of a round, in this (pinned) process; prints its result as JSON."""
+    cfg = side_config(side, work, steps, seed)
+    result = run_colocate(cfg, work) if side == "colocate" else run_async(cfg, work)
+    print(json.dumps({**result, **placement()}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seeds", default="0,1,2", help="one per round, reused in turn")
     parser.add_argument("--keep", help="keep run directories under this path (default: temp)")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--colocate", default=os.path.join(REPO, "configs", "cpu-default.yaml"))
-    parser.add_argument("--async-cfg", default=os.path.join(REPO, "configs", "cpu-async.yaml"))
     parser.add_argument(
         "--variants",
         default="elastic",
-        help="comma-separated async variants: elastic (cpu-async.yaml), one-thread (trainer 1 "
-        "thread), s2, s4 (max_staleness 2 / 4), mb2048, mb16k (trainer micro-batch tokens)",
+        help=f"comma-separated async variants: {', '.join(VARIANTS)}",
     )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    add_pin_args(parser)
     args = parser.parse_args()
-    cores = _cores()
-    variants = {
-        "elastic": {},
-        "one-thread": {"services": {"trainer_threads": 1}},
-        "s2": {"rollout": {"max_staleness": 2}},
-        "s4": {"rollout": {"max_staleness": 4}},
-        "mb2048": {"train": {"micro_batch_tokens": 2048}},
-        "mb16k": {"train": {"micro_batch_tokens": 16384}},
-    }
+    if args.worker:
+        return worker(args.worker, args.work, args.steps, args.seed)
+    cpus = cpu_set(args.cpus)
+    cores = len(cpus)
     chosen = args.variants.split(",")
-    results: dict[str, list[dict]] = {"colocate": [], **{v: [] for v in chosen}}
-    # The colocate side on the async config's model, so both start from one policy
-    # (cpu-default computes its matmuls in bf16, which async roles do not take).
-    from relax_core.config import load_config
-
-    model = dataclasses.asdict(load_config(args.async_cfg).model)
+    unknown = [v for v in chosen if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    seeds = [int(x) for x in args.seeds.split(",")]
+    sides = ["colocate", *chosen]
+    results: dict[str, list[dict]] = {side: [] for side in sides}
+    round_seeds = []
     for r in range(args.rounds):
+        seed = seeds[r % len(seeds)]
+        round_seeds.append(seed)
         with tempfile.TemporaryDirectory(prefix="bench-async-", dir=args.keep) as work:
-            cfg = _config(args.colocate, work, args.steps, model=model)
-            results["colocate"].append(run_colocate(cfg, work))
-            _report("colocate", r, results["colocate"][-1], cores)
-            for name in chosen:
-                cfg = _config(args.async_cfg, work, args.steps, **variants[name])
-                results[name].append(run_async(cfg, work))
-                _report(name, r, results[name][-1], cores)
+            for side in sides:  # the warm start once per seed, here, so no worker times it
+                prepared_policy(side_config(side, work, args.steps, seed))
+            for side in sides if r % 2 == 0 else sides[::-1]:
+                side_work = os.path.join(work, side)
+                os.makedirs(side_work)
+                cmd = [sys.executable, os.path.abspath(__file__), "--worker", side]
+                cmd += ["--work", side_work, "--steps", str(args.steps), "--seed", str(seed)]
+                results[side].append(run_worker(cmd, cpus, args.threads))
+                _report(side, r, seed, results[side][-1], cores)
     best = chosen[0]
-    # Time to the same accuracy: when each run's held-out eval first reaches what colocate
-    # ends with (evals every train.eval_every steps, so this is as fine as that grid).
-    target = statistics.median(x["accuracy"] for x in results["colocate"])
-    reach = {name: [_time_to(x, target) for x in runs] for name, runs in results.items()}
-    colocate = statistics.median(reach["colocate"])
-    wall = statistics.median(reach[best])
-    same_steps = statistics.median(x["wall_s"] for x in results["colocate"]) / statistics.median(
-        x["wall_s"] for x in results[best]
+    print(
+        f"\nCPUs {cpus}, colocate on {args.threads} threads; {args.steps} steps; "
+        f"{args.rounds} rounds, seeds {round_seeds}"
     )
-    per_step = (
-        results["colocate"][-1]["per_step"]["perf/step_s"]
-        / results[best][-1]["per_step"]["perf/step_s"]
-    )
-    bound = statistics.median(x["cpu_s"] / cores for x in results[best])
-    full_wall = statistics.median(x["wall_s"] for x in results[best])
-    print(f"\ncores: {cores}; steps: {args.steps}; rounds: {args.rounds}")
-    for name, runs in results.items():
+    print("| round | seed | side | wall s | cpu s | final held-out | both reach | time to it s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    speedup: dict[str, list[float]] = {v: [] for v in chosen}
+    same_steps: dict[str, list[float]] = {v: [] for v in chosen}
+    bound: dict[str, list[float]] = {v: [] for v in chosen}
+    for r, seed in enumerate(round_seeds):
+        col = results["colocate"][r]
+        for name in chosen:
+            run = results[name][r]
+            # The accuracy both sides reach: the lower of the two final evals.
+            target = min(col["accuracy"], run["accuracy"])
+            t_col, t_run = _time_to(col, target), _time_to(run, target)
+            speedup[name].append(t_col / t_run)
+            same_steps[name].append(col["wall_s"] / run["wall_s"])
+            bound[name].append(run["wall_s"] / (run["cpu_s"] / cores))
+            for side, x, t in (("colocate", col, t_col), (name, run, t_run)):
+                print(
+                    f"| {r} | {seed} | {side} | {x['wall_s']:.1f} | {x['cpu_s']:.1f} | "
+                    f"{x['accuracy']:.3f} | {target:.3f} | {t:.1f} |"
+                )
+    for name in chosen:
         print(
-            f"{name:>10}: wall {statistics.median(x['wall_s'] for x in runs):7.1f} s, "
-            f"cpu {statistics.median(x['cpu_s'] for x in runs):7.1f} s, final accuracy "
-            f"{', '.join(format(x['accuracy'], '.3f') for x in runs)}"
+            f"{name}: time to the accuracy both reach, colocate / async per round "
+            f"{', '.join(f'{x:.2f}' for x in speedup[name])}; same steps "
+            f"{', '.join(f'{x:.2f}' for x in same_steps[name])}; wall / machine bound "
+            f"{', '.join(f'{x:.2f}' for x in bound[name])}"
         )
     _projection(results[best][-1], results["colocate"][-1])
-    for name, times in reach.items():
-        print(f"time to accuracy {target:.3f}: {name} {', '.join(f'{t:.1f} s' for t in times)}")
-    print(
-        f"same {args.steps} steps: colocate / {best} wall = {same_steps:.2f}; per step "
-        f"(median s/step) = {per_step:.2f}"
-    )
-    print(f"headline: async_speedup = {colocate / wall:.2f}")
-    print(f"headline: machine_bound_ratio = {full_wall / bound:.2f}")
+    print(f"headline: async_speedup = {median_range(speedup[best], 2)}")
+    print(f"headline: async_same_steps_speedup = {median_range(same_steps[best], 2)}")
+    print(f"headline: machine_bound_ratio = {median_range(bound[best], 2)}")
 
 
 def _time_to(run: dict, target: float) -> float:
@@ -220,10 +277,10 @@ def _time_to(run: dict, target: float) -> float:
     return run["wall_s"]
 
 
-def _report(name: str, round_: int, res: dict, cores: int) -> None:
+def _report(name: str, round_: int, seed: int, res: dict, cores: int) -> None:
     per = ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in res["per_step"].items())
     print(
-        f"[{name} round {round_}] wall {res['wall_s']:.1f} s, cpu {res['cpu_s']:.1f} s "
+        f"[{name} round {round_}, seed {seed}] wall {res['wall_s']:.1f} s, cpu {res['cpu_s']:.1f} s "
         f"(bound {res['cpu_s'] / cores:.1f} s), accuracy {res['accuracy']:.3f}; per step "
         f"(median): {per}",
         flush=True,

@@ -8,13 +8,19 @@ phase from the rollout stage's own commit records (groups and generated tokens c
 second of wall time), in the same run: 1 engine, N engines (after every new engine takes work),
 1 engine again (after the drain). Then the exactly-once audit counts groups lost or trained twice.
 
-    python bench/elastic.py [--steps 300] [--engines 3] [--max-new-tokens 32] [--staleness 4]
+Each round is a whole run of its own (`--rounds`); this process and the run it starts (every
+role process) are pinned to one CPU set (`--cpus`), the roles sharing it as the config's services
+section says.
+
+    python bench/elastic.py [--rounds 3] [--steps 300] [--engines 3] [--max-new-tokens 32]
+        [--staleness 4] [--cpus 0,1]
 
 Rollout is the bottleneck this measures only when generation, not training, limits the run:
 `--max-new-tokens` sets how long responses may be (the default task answers in a few tokens,
 where the trainer is the bottleneck on 2 cores and more engines only wait at the staleness
-bound). Last lines: `headline: scale_out_throughput_ratio = X` (groups/s with N engines over
-1 engine) and `headline: lost_or_duplicated = N` (rows).
+bound). Last lines: `headline: scale_out_throughput_ratio = X (min-max)` (groups/s with N
+engines over 1 engine in the same run, the median over rounds) and
+`headline: lost_or_duplicated = N` (rows, summed over rounds).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import time
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-from bench.common import start_local_run, work_sections, write_config
+from bench.common import cpu_set, median_range, start_local_run, work_sections, write_config
 
 
 def _config(work: str, args: argparse.Namespace) -> str:
@@ -107,8 +113,25 @@ def main() -> None:
         "--batch-groups", type=int, default=0, help="groups per generate call (0: a step batch)"
     )
     parser.add_argument("--settle-s", type=float, default=3.0, help="skipped after each change")
+    parser.add_argument("--rounds", type=int, default=3, help="whole runs, one after another")
+    parser.add_argument("--cpus", default="", help="CPU set for every process (default: all)")
     args = parser.parse_args()
+    cpus = cpu_set(args.cpus)
+    os.sched_setaffinity(0, cpus)  # every run started below, and its roles, inherit it
+    ratios, bad_rows = [], 0
+    for r in range(args.rounds):
+        print(f"\n## round {r} (CPUs {cpus})", flush=True)
+        ratio, bad = one_round(args)
+        ratios.append(ratio)
+        bad_rows += bad
+    print(f"\nscale-out throughput ratio per round: {', '.join(f'{x:.2f}' for x in ratios)}")
+    print(f"headline: scale_out_throughput_ratio = {median_range(ratios, 2)}")
+    print(f"headline: lost_or_duplicated = {bad_rows}")
 
+
+def one_round(args: argparse.Namespace) -> tuple[float, int]:
+    """One whole run scaled out and in; (groups/s with N engines over 1 engine, rows lost or
+    trained twice)."""
     from relax_core.ops.scale_client import ScaleClient
     from relax_core.queue import TransferQueue
     from relax_core.queue.audit import audit_run
@@ -186,10 +209,9 @@ def main() -> None:
     with open(os.path.join(work, "elastic.json")) as f:
         samples = json.load(f)["rollout"]["n_samples_per_prompt"]  # rows per group
     bad = audit["lost_groups"] + audit["duplicated_groups"]
-    print(
-        f"headline: scale_out_throughput_ratio = {many['groups_per_s'] / one['groups_per_s']:.2f}"
-    )
-    print(f"headline: lost_or_duplicated = {bad * samples}")
+    ratio = many["groups_per_s"] / one["groups_per_s"]
+    print(f"scale_out_throughput_ratio = {ratio:.2f}; lost_or_duplicated = {bad * samples}")
+    return ratio, bad * samples
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
 """The main job before and after a change: the whole `pyflyte run` of the CPU default, A B A B.
 
-Checks out `--before` (a git revision) into a temporary worktree and alternates
-`pyflyte run workflows/train.py train --cfg C` from that tree (A) and from this one (B), each
-in a fresh empty work directory (the warm start included: a user's first run pays for it), both
-pinned to the same CPU set. The config is the same file for both sides with its state directories
-pointed into the work directory, so neither side finds a cache the other filled.
+Checks out `--before` (a git revision) into a temporary worktree and runs
+`pyflyte run workflows/train.py train --cfg C` from that tree (A) and from this one (B), the
+order alternating from round to round (A B, B A, ...), each in a fresh empty work directory (the
+warm start included: a user's first run pays for it), every process of both sides pinned to the
+same CPU set with the same torch thread budget (bench/common.py `pinned_env`). The config is the
+same file for both sides with its state directories pointed into the work directory, so neither
+side finds a cache the other filled.
 
     python bench/main_job.py --before <rev> [--rounds 3] [--cfg configs/cpu-default.yaml]
+        [--cpus 0,1] [--threads 2]
 
-Last line: `headline: main_job_after_over_before = X` (median of B/A per round; 1.0 = as fast).
+Last line: `headline: main_job_after_over_before = X (min-max)` (B/A per round, the median and
+range over rounds; 1.0 = as fast).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import time
 
 import yaml
 
+from bench.common import cpu_set, median_range, pinned_env
+
 
 def _config(src: str, work: str) -> str:
     """`src` with every place a run writes inside `work` (fields both sides know)."""
@@ -44,19 +50,23 @@ def _config(src: str, work: str) -> str:
     return path
 
 
-def _timed(tree: str, cfg: str, cpus: str) -> tuple[float, str]:
+def _timed(tree: str, cfg: str, cpus: list[int], threads: int) -> tuple[float, str]:
     work = tempfile.mkdtemp(prefix="main-job-")
     os.makedirs(os.path.join(work, "tmp"))
     path = _config(os.path.join(tree, cfg), work)
-    env = {
-        **os.environ,
-        "PYTHONPATH": tree,
-        "TMPDIR": os.path.join(work, "tmp"),
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-    }
-    cmd = ["taskset", "-c", cpus, "pyflyte", "run", "workflows/train.py", "train", "--cfg", path]
+    # The thread budget of every pinned bench process, with this side's own tree first on
+    # PYTHONPATH (ahead of the installed relax_core) and a temporary directory of its own.
+    env = {**pinned_env(threads), "PYTHONPATH": tree, "TMPDIR": os.path.join(work, "tmp")}
+    cmd = ["pyflyte", "run", "workflows/train.py", "train", "--cfg", path]
     t0 = time.perf_counter()
-    out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        cmd,
+        cwd=tree,
+        env=env,
+        preexec_fn=lambda: os.sched_setaffinity(0, cpus),  # every process it starts inherits it
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - t0
     shutil.rmtree(work, ignore_errors=True)
     if out.returncode != 0:
@@ -77,8 +87,10 @@ def main() -> None:
     parser.add_argument("--before", required=True, help="git revision to compare against")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cfg", default="configs/cpu-default.yaml")
-    parser.add_argument("--cpus", default="0,1", help="CPU set both sides run on (taskset)")
+    parser.add_argument("--cpus", default="0,1", help="CPU set every process of both sides runs on")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per process")
     args = parser.parse_args()
+    cpus = cpu_set(args.cpus)
     before = tempfile.mkdtemp(prefix="main-job-before-")
     subprocess.run(
         ["git", "worktree", "add", "--detach", before, args.before], cwd=REPO, check=True
@@ -89,8 +101,12 @@ def main() -> None:
     rows = []
     try:
         for r in range(args.rounds):
-            a, acc_a = _timed(before, args.cfg, args.cpus)
-            b, acc_b = _timed(REPO, args.cfg, args.cpus)
+            if r % 2 == 0:
+                a, acc_a = _timed(before, args.cfg, cpus, args.threads)
+                b, acc_b = _timed(REPO, args.cfg, cpus, args.threads)
+            else:
+                b, acc_b = _timed(REPO, args.cfg, cpus, args.threads)
+                a, acc_a = _timed(before, args.cfg, cpus, args.threads)
             rows.append((a, b))
             print(f"round {r + 1}: before {a:.1f} s (acc {acc_a}), after {b:.1f} s (acc {acc_b})")
     finally:
@@ -107,7 +123,7 @@ def main() -> None:
         f"{min(afters):.1f}-{max(afters):.1f} |"
     )
     print(f"ratio after/before per round: {', '.join(f'{x:.3f}' for x in ratios)}")
-    print(f"headline: main_job_after_over_before = {statistics.median(ratios):.3f}")
+    print(f"headline: main_job_after_over_before = {median_range(ratios, 3)}")
 
 
 if __name__ == "__main__":

@@ -13,10 +13,15 @@ the receiver's side. A third row times the sender's flatten alone (the copy that
 broadcast of an already-flat tensor does not make). Then the object-store transport on local
 disk (durable writes): push, and a receiver's load of the committed version.
 
-    python bench/weight_sync.py [--rounds 5] [--layers 13] [--buckets 64,16]
+Both processes run pinned to one CPU set (`--cpus`; the receiver inherits it) with one torch
+thread budget (`--threads`), as every headline's sides do (bench/common.py).
 
-Last line: `headline: bucketed_vs_raw = X` (median raw seconds / median bucketed seconds at the
-default 64 MiB bucket; 1.0 = as fast as a raw broadcast).
+    python bench/weight_sync.py [--rounds 5] [--layers 13] [--buckets 64,16] [--cpus 0,1]
+        [--threads 2]
+
+Last line: `headline: bucketed_vs_raw = X (min-max)`: per round, the raw broadcast's seconds over
+the bucketed push's at the default 64 MiB bucket (1.0 = as fast as a raw broadcast), the median
+over rounds and their range.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from bench.common import add_pin_args, cpu_set, median_range, pinned_env
 from relax_core.queue.store import ObjectStore
 from relax_core.sync import (
     BroadcastReceiver,
@@ -185,11 +191,16 @@ def main() -> None:
     )
     parser.add_argument("--role", choices=["sender", "receiver"], default="sender")
     parser.add_argument("--root", default="")
+    add_pin_args(parser)
     args = parser.parse_args()
     args.buckets = [int(b) for b in args.buckets.split(",")]
     if args.role == "receiver":
+        torch.set_num_threads(args.threads)
         receive(args)
         return
+    cpus = cpu_set(args.cpus)
+    os.sched_setaffinity(0, cpus)  # the receiver, started below, inherits the CPU set
+    torch.set_num_threads(args.threads)
 
     specs = lm_specs(args.layers)
     nbytes = sum(s.nbytes for s in specs)
@@ -197,14 +208,14 @@ def main() -> None:
     tensors = [(s.name, torch.randn(s.shape, generator=gen)) for s in specs]
     print(
         f"{len(specs)} float32 tensors, {nbytes / MiB:.1f} MiB; torch {torch.__version__}, "
-        f"{os.cpu_count()} CPUs, {args.rounds} rounds",
+        f"both processes on CPUs {cpus} with {args.threads} threads, {args.rounds} rounds",
         flush=True,
     )
     root = tempfile.mkdtemp(prefix="weight-sync-bench-")
     cmd = [sys.executable, os.path.abspath(__file__), "--role", "receiver", "--root", root]
     cmd += ["--rounds", str(args.rounds), "--layers", str(args.layers)]
-    cmd += ["--buckets", ",".join(map(str, args.buckets))]
-    proc = subprocess.Popen(cmd, cwd=REPO)
+    cmd += ["--buckets", ",".join(map(str, args.buckets)), "--threads", str(args.threads)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=pinned_env(args.threads))
     try:
         store = ObjectStore(root, durable=False)
         sessions = {
@@ -222,15 +233,19 @@ def main() -> None:
         return f"{nbytes / seconds / (1 << 30):.2f}"
 
     print()
-    print("| transport | bucket | median s | GiB/s | raw median s (same session) | vs raw |")
+    print(
+        "| transport | bucket | median s | GiB/s | raw median s (same session) | raw / push per round |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     ratios = {}
     for mib, times in sessions.items():
         b, r = statistics.median(times["bucketed"]), statistics.median(times["raw"])
-        ratios[mib] = r / b
+        ratios[mib] = [
+            raw / pushed for raw, pushed in zip(times["raw"], times["bucketed"], strict=True)
+        ]
         print(
             f"| broadcast push (gloo) | {mib} MiB | {b:.3f} | {rate(b)} | {r:.3f} | "
-            f"{ratios[mib]:.2f} |"
+            f"{median_range(ratios[mib], 2)} |"
         )
         print(f"| raw broadcast (gloo) | one flat tensor | {r:.3f} | {rate(r)} | | 1.00 |")
         f = statistics.median(times["flatten"])
@@ -240,7 +255,7 @@ def main() -> None:
         label = "push (durable)" if what == "write" else "receiver load"
         print(f"| object store, local disk | {label}, 64 MiB | {m:.3f} | {rate(m)} | | |")
     print()
-    print(f"headline: bucketed_vs_raw = {ratios[args.buckets[0]]:.2f}")
+    print(f"headline: bucketed_vs_raw = {median_range(ratios[args.buckets[0]], 2)}")
 
 
 if __name__ == "__main__":
