@@ -41,6 +41,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -55,8 +56,16 @@ from relax_core.sync import (
     TensorSpec,
 )
 from relax_core.sync.buckets import flat_view, flatten_into
+from relax_core.sync.process_group import group_on_store
 
 MiB = 1 << 20
+TIMEOUT = timedelta(seconds=120)
+
+
+def make_raw_group(store: dist.TCPStore, rank: int, mib: int):
+    """The raw broadcast's gloo group between the two processes, one per bucket session, on the
+    sender's TCP store (the transport's own groups are private to it, as in a run)."""
+    return group_on_store("gloo", store, rank, 2, f"bench-raw-{mib}", TIMEOUT)
 
 
 def lm_specs(layers: int, hidden: int = 640, inter: int = 1728, vocab: int = 16384) -> list:
@@ -97,17 +106,18 @@ def receive(args: argparse.Namespace) -> None:
     specs = lm_specs(args.layers)
     nbytes = sum(s.nbytes for s in specs)
     store = ObjectStore(args.root, durable=False)
+    tcp = dist.TCPStore("127.0.0.1", args.raw_port, 2, is_master=False, timeout=TIMEOUT)
     for mib in args.buckets:
         receiver = BroadcastReceiver(store, f"bench{mib}", "r1", specs, bucket_bytes=mib * MiB)
         receiver.init()
-        raw_group = dist.new_group([0, 1], backend="gloo")
+        group = make_raw_group(tcp, 1, mib)
         receiver.start()
         raw = torch.empty(nbytes // 4, dtype=torch.float32)
         version = 0
         for item in schedule(args.rounds):
-            dist.barrier(group=raw_group)
+            dist.barrier(group=group)
             if item == "raw":
-                dist.broadcast(raw, src=0, group=raw_group)
+                dist.broadcast(raw, src=0, group=group)
             else:
                 version += 1
                 while not receiver.wait(1.0):
@@ -116,7 +126,7 @@ def receive(args: argparse.Namespace) -> None:
                 assert got is not None and got[0] == version, got and got[0]
                 receiver.release(got)  # as apply_update(engine, got, receiver.release) does
                 del got
-            dist.barrier(group=raw_group)
+            dist.barrier(group=group)
         while not receiver.stopped:
             receiver.wait(1.0)
         receiver.destroy()
@@ -131,21 +141,19 @@ def _timed(fn, group) -> float:
     return time.perf_counter() - start
 
 
-def broadcast_session(args, store, specs, tensors, mib: int) -> dict[str, list[float]]:
+def broadcast_session(args, store, tcp, specs, tensors, mib: int) -> dict[str, list[float]]:
     sender = BroadcastSender(store, f"bench{mib}", ["r1"], specs, bucket_bytes=mib * MiB)
     sender.init()
-    raw_group = dist.new_group([0, 1], backend="gloo")
+    group = make_raw_group(tcp, 0, mib)
     flat = torch.cat([t.reshape(-1) for _, t in tensors])
     times: dict[str, list[float]] = {"bucketed": [], "raw": []}
     version = 0
     for item in schedule(args.rounds):
         if item == "raw":
-            times["raw"].append(
-                _timed(lambda: dist.broadcast(flat, src=0, group=raw_group), raw_group)
-            )
+            times["raw"].append(_timed(lambda: dist.broadcast(flat, src=0, group=group), group))
         else:
             version += 1
-            times["bucketed"].append(_timed(lambda v=version: sender.push(tensors, v), raw_group))
+            times["bucketed"].append(_timed(lambda v=version: sender.push(tensors, v), group))
     print(f"  bucket {mib} MiB: {len(sender.buckets)} buckets", flush=True)
     sender.destroy()
     # The copy push adds to what a raw broadcast does, timed alone between rounds' transfers.
@@ -191,6 +199,7 @@ def main() -> None:
     )
     parser.add_argument("--role", choices=["sender", "receiver"], default="sender")
     parser.add_argument("--root", default="")
+    parser.add_argument("--raw-port", type=int, default=0, help=argparse.SUPPRESS)
     add_pin_args(parser)
     args = parser.parse_args()
     args.buckets = [int(b) for b in args.buckets.split(",")]
@@ -212,14 +221,17 @@ def main() -> None:
         flush=True,
     )
     root = tempfile.mkdtemp(prefix="weight-sync-bench-")
+    # The raw broadcast's rendezvous: a TCP store this process hosts for the whole run.
+    tcp = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
     cmd = [sys.executable, os.path.abspath(__file__), "--role", "receiver", "--root", root]
+    cmd += ["--raw-port", str(tcp.port)]
     cmd += ["--rounds", str(args.rounds), "--layers", str(args.layers)]
     cmd += ["--buckets", ",".join(map(str, args.buckets)), "--threads", str(args.threads)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=pinned_env(args.threads))
     try:
         store = ObjectStore(root, durable=False)
         sessions = {
-            mib: broadcast_session(args, store, specs, tensors, mib) for mib in args.buckets
+            mib: broadcast_session(args, store, tcp, specs, tensors, mib) for mib in args.buckets
         }
         if proc.wait(timeout=120) != 0:
             raise SystemExit(f"receiver failed with status {proc.returncode}")
