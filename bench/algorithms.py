@@ -1,15 +1,20 @@
 """Every policy loss of the suite on the CPU default: held-out accuracy gain and wall time.
 
-Each row is the CPU default (`configs/cpu-default.yaml`: tiny Qwen3 warm-started to ~0.21 on
-2-digit addition, 200 colocate RL steps) with one algorithm swapped in, run in this process one
-after another, same seed, same starting policy (prepared once, then cached). The distillation
-rows use the GRPO row's final policy as the teacher for a student starting from the same
-warm start: with rewards (GRPO + distillation term) and with the teacher as the only signal.
+Each row is the CPU default (`configs/cpu-default.yaml`: tiny Qwen3 warm-started until it is
+right a fifth of the time on 2- and on 3-digit sums, then `--steps` colocate RL steps on 2-digit
+addition) with one algorithm swapped in, on each seed of `--seeds`: a whole run per seed, each in
+a fresh process pinned to one CPU set with one thread budget (bench.common.run_worker), one after
+another, every algorithm of a seed from the same starting policy (the seed's warm start,
+prepared here once before its runs, then cached). The distillation rows use the seed's GRPO run's
+final policy as the teacher for a student starting from the same warm start: with rewards (GRPO
++ distillation term) and with the teacher as the only signal.
 
-    python bench/algorithms.py [--steps 200] [--only grpo,sapo]
+    python bench/algorithms.py [--steps 200] [--seeds 0,1,2] [--only grpo,sapo] [--cpus 0,1]
+        [--threads 2]
     python bench/algorithms.py --mode async --staleness 4     # the off-policy corrections
 
-Last line: `headline: min_gain = X` (the smallest held-out accuracy gain, in points).
+Last line: `headline: min_gain = X (min-max)`: per algorithm the median held-out accuracy gain
+over the seeds, in points; X is the smallest of those medians, with that algorithm's range.
 """
 
 from __future__ import annotations
@@ -26,9 +31,13 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 import argparse
 import dataclasses
+import json
+import shutil
+import statistics
 import tempfile
 import time
 
+from bench.common import add_pin_args, cpu_set, median_range, placement, run_worker
 from relax_core.config import load_config, replace
 
 # name -> section overrides; "teacher" is filled in from the grpo row's final checkpoint.
@@ -97,6 +106,15 @@ ASYNC_VARIANTS: dict[str, dict] = {
 }
 
 
+def base_config(mode: str, cfg_path: str, staleness: int, seed: int):
+    """The config every row of a seed starts from."""
+    default = "cpu-async.yaml" if mode == "async" else "cpu-default.yaml"
+    base = replace(load_config(cfg_path or os.path.join(REPO, "configs", default)), seed=seed)
+    if mode == "async":
+        return replace(base, rollout={"max_staleness": staleness})
+    return base
+
+
 def run_variant(base, name: str, overrides: dict, root: str, steps: int, teacher: str):
     from relax_core.run.lifecycle import run
 
@@ -125,44 +143,100 @@ def run_variant(base, name: str, overrides: dict, root: str, steps: int, teacher
     return summary, wall, os.path.join(final, last)
 
 
+def worker(args: argparse.Namespace) -> None:
+    """One row of one seed, in this (pinned) process; prints its result as JSON."""
+    os.chdir(REPO)  # dataset paths in the config are relative to the repo
+    base = base_config(args.mode, args.cfg, args.staleness, args.seed)
+    variants = ASYNC_VARIANTS if args.mode == "async" else VARIANTS
+    overrides = {} if args.worker == "teacher" else variants[args.worker]
+    summary, wall, final = run_variant(
+        base, args.worker, overrides, args.root, args.steps, args.teacher
+    )
+    before, after = summary["eval_accuracy_before"], summary["eval_accuracy_after"]
+    print(
+        json.dumps({"before": before, "after": after, "wall": wall, "final": final, **placement()})
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--seeds", default="0,1,2", help="comma-separated seeds, each a whole suite"
+    )
     parser.add_argument("--only", default="", help="comma-separated variant names")
     parser.add_argument("--cfg", default="", help="default: cpu-default (cpu-async with async)")
     parser.add_argument("--mode", choices=("colocate", "async"), default="colocate")
     parser.add_argument("--staleness", type=int, default=4, help="max_staleness with --mode async")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--root", help=argparse.SUPPRESS)
+    parser.add_argument("--teacher", default="", help=argparse.SUPPRESS)
+    add_pin_args(parser)
     args = parser.parse_args()
-    os.chdir(REPO)  # dataset paths in the config are relative to the repo
-    default = "cpu-async.yaml" if args.mode == "async" else "cpu-default.yaml"
-    base = load_config(args.cfg or os.path.join(REPO, "configs", default))
-    if args.mode == "async":
-        base = replace(base, rollout={"max_staleness": args.staleness})
-    else:
-        base = replace(base, train={"torch_threads": 2})
+    if args.worker:
+        return worker(args)
+    from bench.common import prepared_policy
+
+    os.chdir(REPO)
+    cpus = cpu_set(args.cpus)
     variants = ASYNC_VARIANTS if args.mode == "async" else VARIANTS
     names = [n for n in variants if not args.only or n in args.only.split(",")]
-    root = tempfile.mkdtemp(prefix="bench-algorithms-")
-    rows, teacher = [], ""
-    for name in names:
-        if "TEACHER" in str(variants[name]) and not teacher:
-            _, _, teacher = run_variant(base, "teacher", {}, root, args.steps, "")
-        summary, wall, final = run_variant(base, name, variants[name], root, args.steps, teacher)
-        if name == "grpo":
-            teacher = final
-        before, after = summary["eval_accuracy_before"], summary["eval_accuracy_after"]
-        rows.append((name, before, after, wall))
-        print(f"{name}: {before:.3f} -> {after:.3f} in {wall:.0f} s", file=sys.stderr, flush=True)
+    unknown = set(args.only.split(",")) - set(variants) if args.only else set()
+    if unknown:
+        raise SystemExit(f"--only: unknown {sorted(unknown)}; choose from {', '.join(variants)}")
+    seeds = [int(x) for x in args.seeds.split(",")]
+    results: dict[str, list[dict]] = {name: [] for name in names}
+
+    def row(name: str, seed: int, root: str, teacher: str) -> dict:
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--seed", str(seed)]
+        cmd += ["--root", root, "--teacher", teacher, "--steps", str(args.steps)]
+        cmd += ["--mode", args.mode, "--staleness", str(args.staleness)]
+        cmd += ["--cfg", args.cfg] if args.cfg else []
+        return run_worker(cmd, cpus, args.threads)
+
+    for seed in seeds:
+        root = tempfile.mkdtemp(prefix="bench-algorithms-")
+        base = base_config(args.mode, args.cfg, args.staleness, seed)
+        prepared_policy(base)  # the seed's warm start once, here, so no row times it
+        teacher = ""
+        for name in names:
+            if "TEACHER" in str(variants[name]) and not teacher:
+                teacher = row("teacher", seed, root, "")["final"]
+            res = row(name, seed, root, teacher)
+            if name == "grpo":
+                teacher = res["final"]
+            results[name].append(res)
+            print(
+                f"seed {seed} {name}: {res['before']:.3f} -> {res['after']:.3f} in "
+                f"{res['wall']:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+        shutil.rmtree(root, ignore_errors=True)
     where = f"async, max_staleness {args.staleness}" if args.mode == "async" else "colocate"
-    print(f"\n{args.steps} RL steps each ({where}); held-out greedy accuracy (256 pairs)")
-    print("| algorithm | before | after | gain (points) | wall s |")
-    print("| --- | --- | --- | --- | --- |")
-    for name, before, after, wall in rows:
+    print(
+        f"\n{args.steps} RL steps each ({where}), seeds {seeds}, CPUs {cpus}, {args.threads} "
+        "threads; held-out greedy accuracy (256 pairs)"
+    )
+    print(
+        "| algorithm | before per seed | after per seed | gain (points) per seed | median gain (min-max) | wall s (median) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    medians = {}
+    for name in names:
+        runs = results[name]
+        gains = [100 * (x["after"] - x["before"]) for x in runs]
+        medians[name] = (statistics.median(gains), gains)
         print(
-            f"| {name} | {before:.3f} | {after:.3f} | {100 * (after - before):+.1f} | {wall:.0f} |"
+            f"| {name} | {' '.join(format(x['before'], '.3f') for x in runs)} | "
+            f"{' '.join(format(x['after'], '.3f') for x in runs)} | "
+            f"{' '.join(f'{g:+.1f}' for g in gains)} | {median_range(gains, 1)} | "
+            f"{statistics.median(x['wall'] for x in runs):.0f} |"
         )
-    gains = [100 * (after - before) for _, before, after, _ in rows]
-    print(f"headline: min_gain = {min(gains):.1f}")
+    lowest = min(medians, key=lambda n: medians[n][0])
+    print(f"lowest median gain: {lowest}")
+    print(f"headline: min_gain = {median_range(medians[lowest][1], 1)}")
 
 
 if __name__ == "__main__":
