@@ -26,10 +26,10 @@ faster than every core busy all the time.
     python bench/async_vs_colocate.py [--rounds 3] [--seeds 0,1,2] [--steps 200]
         [--variants elastic] [--cpus 0,1] [--threads 2]
 
-Last lines, each the median over rounds with its min-max: `headline: async_speedup = X`
-(colocate's time to the accuracy both reach over the first async variant's),
-`headline: async_same_steps_speedup = Y` (colocate's wall over async's for the same steps) and
-`headline: machine_bound_ratio = Z` (async wall over its machine bound).
+Last lines, each the median over rounds (its per-round values and min-max on the line before):
+`headline: async_speedup = X` (colocate's time to the accuracy both reach over the first async
+variant's), `headline: async_same_steps_speedup = Y` (colocate's wall over async's for the same
+steps) and `headline: machine_bound_ratio = Z` (async wall over its machine bound).
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 from bench.common import (
     add_pin_args,
     cpu_set,
-    median_range,
     placement,
     prepared_policy,
+    print_headline,
     repo_data,
     run_worker,
     work_sections,
@@ -263,9 +263,9 @@ def main() -> None:
             f"{', '.join(f'{x:.2f}' for x in bound[name])}"
         )
     _projection(results[best][-1], results["colocate"][-1])
-    print(f"headline: async_speedup = {median_range(speedup[best], 2)}")
-    print(f"headline: async_same_steps_speedup = {median_range(same_steps[best], 2)}")
-    print(f"headline: machine_bound_ratio = {median_range(bound[best], 2)}")
+    print_headline("async_speedup", speedup[best])
+    print_headline("async_same_steps_speedup", same_steps[best])
+    print_headline("machine_bound_ratio", bound[best])
 
 
 def _time_to(run: dict, target: float) -> float:
@@ -299,6 +299,9 @@ def _projection(async_run: dict, colocate_run: dict) -> None:
     p = async_run["per_step"]
     trainer = p.get("perf/train_s", 0.0) + p.get("perf/sync_s", 0.0)
     rollout = p.get("perf/generate_s", 0.0) + p.get("perf/reward_s", 0.0)
+    if not trainer or not rollout:  # per-step medians leave out the first 5 steps
+        print("projection: too few steps for per-step role times")
+        return
     c = colocate_run["per_step"]
     print(
         f"projection, one device per role: trainer busy {trainer:.3f} s/step, rollout busy "

@@ -180,3 +180,15 @@ def median_range(values: list[float], digits: int = 3) -> str:
     f = f"{{:.{digits}f}}"
     mid, lo, hi = (f.format(x) for x in (statistics.median(values), min(values), max(values)))
     return f"{mid} ({lo}-{hi})"
+
+
+def print_headline(name: str, values: list[float], digits: int = 2) -> None:
+    """The last lines of a headline over rounds: `name` per round as median (min-max), then
+    `headline: name = X`, X the median."""
+    import statistics
+
+    print(
+        f"{name} per round: {', '.join(f'{v:.{digits}f}' for v in values)}; median (min-max) "
+        f"{median_range(values, digits)}"
+    )
+    print(f"headline: {name} = {statistics.median(values):.{digits}f}")

@@ -18,8 +18,8 @@ section says.
 Rollout is the bottleneck this measures only when generation, not training, limits the run:
 `--max-new-tokens` sets how long responses may be (the default task answers in a few tokens,
 where the trainer is the bottleneck on 2 cores and more engines only wait at the staleness
-bound). Last lines: `headline: scale_out_throughput_ratio = X (min-max)` (groups/s with N
-engines over 1 engine in the same run, the median over rounds) and
+bound). Last lines: `headline: scale_out_throughput_ratio = X` (groups/s with N engines over
+1 engine in the same run, the median over rounds; min-max on the line before) and
 `headline: lost_or_duplicated = N` (rows, summed over rounds).
 """
 
@@ -41,7 +41,7 @@ import time
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-from bench.common import cpu_set, median_range, start_local_run, work_sections, write_config
+from bench.common import cpu_set, print_headline, start_local_run, work_sections, write_config
 
 
 def _config(work: str, args: argparse.Namespace) -> str:
@@ -124,8 +124,8 @@ def main() -> None:
         ratio, bad = one_round(args)
         ratios.append(ratio)
         bad_rows += bad
-    print(f"\nscale-out throughput ratio per round: {', '.join(f'{x:.2f}' for x in ratios)}")
-    print(f"headline: scale_out_throughput_ratio = {median_range(ratios, 2)}")
+    print()
+    print_headline("scale_out_throughput_ratio", ratios)
     print(f"headline: lost_or_duplicated = {bad_rows}")
 
 

@@ -11,8 +11,8 @@ side finds a cache the other filled.
     python bench/main_job.py --before <rev> [--rounds 3] [--cfg configs/cpu-default.yaml]
         [--cpus 0,1] [--threads 2]
 
-Last line: `headline: main_job_after_over_before = X (min-max)` (B/A per round, the median and
-range over rounds; 1.0 = as fast).
+Last line: `headline: main_job_after_over_before = X` (B/A per round, the median over rounds,
+with the values and range on the line before; 1.0 = as fast).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import time
 
 import yaml
 
-from bench.common import cpu_set, median_range, pinned_env
+from bench.common import cpu_set, pinned_env, print_headline
 
 
 def _config(src: str, work: str) -> str:
@@ -122,8 +122,7 @@ def main() -> None:
         f"| after | {head} | {statistics.median(afters):.1f} | "
         f"{min(afters):.1f}-{max(afters):.1f} |"
     )
-    print(f"ratio after/before per round: {', '.join(f'{x:.3f}' for x in ratios)}")
-    print(f"headline: main_job_after_over_before = {median_range(ratios, 3)}")
+    print_headline("main_job_after_over_before", ratios, 3)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,9 @@ thread budget (`--threads`), as every headline's sides do (bench/common.py).
     python bench/weight_sync.py [--rounds 5] [--layers 13] [--buckets 64,16] [--cpus 0,1]
         [--threads 2]
 
-Last line: `headline: bucketed_vs_raw = X (min-max)`: per round, the raw broadcast's seconds over
-the bucketed push's at the default 64 MiB bucket (1.0 = as fast as a raw broadcast), the median
-over rounds and their range.
+Last line: `headline: bucketed_vs_raw = X`: per round, the raw broadcast's seconds over the
+bucketed push's at the default 64 MiB bucket (1.0 = as fast as a raw broadcast); X is the median
+over rounds, their values and range on the line before.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from bench.common import add_pin_args, cpu_set, median_range, pinned_env
+from bench.common import add_pin_args, cpu_set, median_range, pinned_env, print_headline
 from relax_core.queue.store import ObjectStore
 from relax_core.sync import (
     BroadcastReceiver,
@@ -267,7 +267,7 @@ def main() -> None:
         label = "push (durable)" if what == "write" else "receiver load"
         print(f"| object store, local disk | {label}, 64 MiB | {m:.3f} | {rate(m)} | | |")
     print()
-    print(f"headline: bucketed_vs_raw = {median_range(ratios[args.buckets[0]], 2)}")
+    print_headline("bucketed_vs_raw", ratios[args.buckets[0]])
 
 
 if __name__ == "__main__":
