@@ -234,8 +234,15 @@ class TorchBackend:
         self.warmup_steps = warmup_steps
         self.grad_clip = grad_clip
         self.temperature = temperature
+        # foreach: one kernel launch per op over every tensor instead of one per tensor (torch
+        # picks it on CUDA by itself, not on the CPU): the same arithmetic, bit for bit, and the
+        # CPU default's optimizer step in ~60% of the time.
         self.optimizer = torch.optim.AdamW(
-            _param_groups(model, lr_scale), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99)
+            _param_groups(model, lr_scale),
+            lr=lr,
+            weight_decay=weight_decay,
+            betas=(0.9, 0.99),
+            foreach=True,
         )
         self.before_micro_batch: Callable[[], None] | None = None
         """Called before each micro-batch's forward (e.g. to take cores other roles freed)."""

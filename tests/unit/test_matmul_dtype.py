@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from relax_core.config import ConfigError, ModelConfig, load_config, replace
 from relax_core.models.attention import FLOAT32_SDPA, use_float32_attention
@@ -127,6 +128,62 @@ def test_engine_and_trainer_score_sampled_tokens_alike(tok):
         [logp[i, : len(c.logprobs)] - torch.tensor(c.logprobs) for i, c in enumerate(outs)]
     )
     assert gap.abs().max() < 0.02 and gap.mean().abs() < 0.005
+
+
+def _repeated_heads(module, query, key, value, attention_mask, **kwargs):
+    """transformers' own SDPA path in float32 (key/value heads repeated for their query heads):
+    what the float32 attention computed before it took grouped-query attention in one call."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    mask = (
+        attention_mask.float()
+        if attention_mask is not None and attention_mask.is_floating_point()
+        else attention_mask
+    )
+    with torch.autocast(query.device.type, enabled=False):
+        out, _ = sdpa_attention_forward(
+            module, query.float(), key.float(), value.float(), mask, **kwargs
+        )
+    return out.to(query.dtype), None
+
+
+def test_grouped_query_attention_with_a_mask_matches_repeated_heads_bit_for_bit(tok, monkeypatch):
+    """A training step over padded rows of a GQA policy (4 query heads on 2 key/value heads):
+    the float32 attention's one SDPA call per layer gives the log-probs and gradients that
+    repeating each key/value head gives, to the bit, and it is the path those masked calls take."""
+    from transformers import AttentionInterface
+
+    import relax_core.models.attention as attention
+
+    AttentionInterface.register("sdpa_float32_repeated", _repeated_heads)
+    AttentionMaskInterface.register("sdpa_float32_repeated", sdpa_mask)
+    cfg = _cfg(model={"matmul_dtype": "bfloat16"})
+    prompts = _ids(tok, ["1+2=", "40+2=", "1+2=", "7*8=", "40+2=", "1+2="])
+    responses = _ids(tok, ["3", "42", "12", "56\n", "4", "3  "])
+    mb = make_micro_batch(
+        prompts, responses, [[1] * len(r) for r in responses], tok.pad_token_id, share_prompts=True
+    )
+    grouped = []
+    real_sdpa = attention.F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        grouped.append(kwargs.get("enable_gqa", False) and kwargs.get("attn_mask") is not None)
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    results = []
+    for implementation in (FLOAT32_SDPA, "sdpa_float32_repeated"):
+        model = build_tiny_qwen3(SMALL, len(tok), seed=0)
+        backend = make_backend(model, cfg)
+        model.set_attn_implementation(implementation)
+        with torch.autocast("cpu", dtype=BF16):
+            logp, _ = backend.scorer(mb, 1.0, False)
+        (logp * mb.loss_mask).sum().backward()
+        results.append((logp.detach(), [p.grad for p in model.parameters()]))
+    (fast, fast_grads), (repeated, repeated_grads) = results
+    assert any(grouped), "no masked grouped-query call took the one-call path"
+    assert torch.equal(fast, repeated)
+    assert all(torch.equal(a, b) for a, b in zip(fast_grads, repeated_grads, strict=True))
 
 
 @pytest.mark.parametrize(
