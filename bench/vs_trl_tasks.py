@@ -52,8 +52,6 @@ def bench_config(
                 "trainer_threads": a.services.trainer_threads,
             },
             "algorithm": {"proximal": a.algorithm.proximal},
-            # Async roles take no model.matmul_dtype: float32 matmuls on the same policy.
-            "model": {"matmul_dtype": ""},
         }
     return replace(
         cfg,

@@ -187,15 +187,10 @@ def _check_matmul_dtype(e: list[str], cfg: RunSections) -> None:
             f"model.matmul_dtype: needs a text policy (model.kind 'tiny-qwen3' or 'pretrained'), "
             f"not {m.kind!r}"
         )
-    if (
-        cfg.mode != "colocate"
-        or cfg.rollout.engine != "torch"
-        or cfg.train.backend != "torch"
-        or cfg.train.lora.rank > 0
-    ):
+    if cfg.rollout.engine != "torch" or cfg.train.backend != "torch" or cfg.train.lora.rank > 0:
         e.append(
-            "model.matmul_dtype: needs mode colocate, rollout.engine torch, train.backend torch "
-            "and no LoRA (an engine that computes as the trainer does, on its own weights)"
+            "model.matmul_dtype: needs rollout.engine torch, train.backend torch and no LoRA "
+            "(engines that compute as the trainer does, on their own weights)"
         )
 
 

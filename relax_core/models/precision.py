@@ -63,6 +63,26 @@ def linear_layers_in(model, dtype: torch.dtype):
     return model
 
 
+def computing_as_trainer(model, matmul_dtype: str):
+    """`model` (a float32 inference copy: an engine's, a scorer's) computing as the trainer does
+    under `model.matmul_dtype` (`linear_layers_in`); unchanged when it is '' (float32
+    throughout). Weight sync's layout is the float32 one: take it (`specs_of`) before this."""
+    if not matmul_dtype:
+        return model
+    return linear_layers_in(model, getattr(torch, matmul_dtype))
+
+
+def trainer_autocast(device: torch.device | str, matmul_dtype: str):
+    """The autocast the trainer's forward runs under for `model.matmul_dtype` (none for ''):
+    what a float32 trainer-held policy evaluates under to compute as the engines do."""
+    import contextlib
+
+    if not matmul_dtype:
+        return contextlib.nullcontext()
+    device_type = device.type if isinstance(device, torch.device) else str(device)
+    return torch.autocast(device_type, dtype=getattr(torch, matmul_dtype))
+
+
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 """x86 CPU flags under which torch's bf16 matmuls run natively (faster than float32)."""
 

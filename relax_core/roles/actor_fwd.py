@@ -16,6 +16,7 @@ from relax_core.roles.reference import add_ref_logprobs
 def serve(ctx) -> None:
     from relax_core.models.lora import synced_weights
     from relax_core.models.policy import load_policy, on_accelerator
+    from relax_core.models.precision import computing_as_trainer
     from relax_core.pool.weights import make_receiver
     from relax_core.roles.media import resolver_for
     from relax_core.roles.service import serve_stage, set_threads
@@ -26,6 +27,8 @@ def serve(ctx) -> None:
     cfg = ctx.cfg
     set_threads(cfg.services.rollout_threads)
     model, tokenizer = load_policy(ctx.checkpoint, cfg.model.dtype)
+    specs = specs_of(synced_weights(model))  # what the trainer publishes (float32 weights)
+    model = computing_as_trainer(model, cfg.model.matmul_dtype)
     model = on_accelerator(model.eval().requires_grad_(False))
     if cfg.train.routing_replay:  # the proximal policy routes as the trainer will
         from relax_core.models.routing_replay import attach_routing_replay
@@ -33,7 +36,7 @@ def serve(ctx) -> None:
         attach_routing_replay(model)
     resolver = resolver_for(cfg, model)
     holder = _WeightHolder(model, int(read_state(ctx.checkpoint)["policy_version"]))
-    receiver = make_receiver(cfg, ctx.queue, specs_of(synced_weights(model)), "actor_fwd", 0)
+    receiver = make_receiver(cfg, ctx.queue, specs, "actor_fwd", 0)
     ctx.status["state"] = "joining weight sync"
     receiver.init()
     receiver.start()

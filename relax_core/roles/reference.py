@@ -57,6 +57,7 @@ def serve(ctx) -> None:
         load_teacher,
         on_accelerator,
     )
+    from relax_core.models.precision import computing_as_trainer
     from relax_core.roles.media import resolver_for
     from relax_core.roles.service import serve_stage, set_threads
     from relax_core.storage import local_copy
@@ -72,7 +73,8 @@ def serve(ctx) -> None:
         start_policy = ctx.checkpoint
     model, tokenizer = load_policy(start_policy, cfg.model.dtype)
     frozen = []
-    if cfg.algorithm.kl_coef > 0:
+    if cfg.algorithm.kl_coef > 0:  # scored as the policy is (model.matmul_dtype)
+        model = computing_as_trainer(model, cfg.model.matmul_dtype)
         frozen.append((on_accelerator(model.eval().requires_grad_(False)), "ref_logprobs"))
     if cfg.algorithm.distill_coef > 0:
         teacher, _ = load_teacher(cfg.algorithm.teacher, tokenizer, cfg.model.dtype)

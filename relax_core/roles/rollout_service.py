@@ -193,6 +193,7 @@ def _local_engine(ctx, state: dict[str, Any]):
     """A torch engine on the checkpoint's policy, fed by the trainer's weight transport."""
     from relax_core.models.lora import synced_weights
     from relax_core.models.policy import load_policy, on_accelerator
+    from relax_core.models.precision import computing_as_trainer
     from relax_core.pool.engine_weights import LocalWeights
     from relax_core.pool.weights import make_receiver
     from relax_core.rollout.torch_engine import TorchEngine
@@ -200,7 +201,8 @@ def _local_engine(ctx, state: dict[str, Any]):
 
     cfg = ctx.cfg
     model, tokenizer = load_policy(ctx.checkpoint, cfg.model.dtype)
-    model = on_accelerator(model)
+    specs = specs_of(synced_weights(model))  # what the trainer publishes (float32 weights)
+    model = on_accelerator(computing_as_trainer(model, cfg.model.matmul_dtype))
     if cfg.train.routing_replay:  # the engine records the experts the trainer replays
         from relax_core.models.routing_replay import attach_routing_replay
 
@@ -214,7 +216,7 @@ def _local_engine(ctx, state: dict[str, Any]):
         seed=cfg.seed * 1_000_003 + ctx.worker * 7919 + version,
     )
     engine.version = version
-    receiver = make_receiver(cfg, ctx.queue, specs_of(synced_weights(model)), "rollout", ctx.worker)
+    receiver = make_receiver(cfg, ctx.queue, specs, "rollout", ctx.worker)
     return engine, LocalWeights(engine, receiver, ctx.status), tokenizer
 
 

@@ -157,7 +157,9 @@ class AsyncTrainer:
         return path
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out greedy eval with the trainer's own weights (no copy, no sync)."""
+        """Held-out greedy eval with the trainer's own weights (no copy, no sync); under
+        `model.matmul_dtype` in the trainer's autocast, which computes as the engines do."""
+        from relax_core.models.precision import trainer_autocast
         from relax_core.rewards.registry import build_reward
         from relax_core.roles.episodes import env_runner
         from relax_core.roles.evaluation import evaluate
@@ -178,12 +180,16 @@ class AsyncTrainer:
         model = self._eval_model()
         engine = TorchEngine(model, tok.eos_token_id, tok.pad_token_id, seed=cfg.seed)
         engine.version = self.state.policy_version
+        device = next(model.parameters()).device
         try:
-            if env is not None:
-                return env.evaluate(engine, source, cfg.rollout.max_new_tokens, cfg.data.eval_size)
-            return evaluate(
-                engine, tok, source, reward, cfg.rollout.max_new_tokens, cfg.data.eval_size
-            )
+            with trainer_autocast(device, cfg.model.matmul_dtype):
+                if env is not None:
+                    return env.evaluate(
+                        engine, source, cfg.rollout.max_new_tokens, cfg.data.eval_size
+                    )
+                return evaluate(
+                    engine, tok, source, reward, cfg.rollout.max_new_tokens, cfg.data.eval_size
+                )
         finally:
             model.train()
 

@@ -17,7 +17,7 @@ from relax_core.config import RunConfig
 from relax_core.data.cursor import DatasetCursor
 from relax_core.models import lora
 from relax_core.models.policy import load_policy, load_teacher, on_accelerator
-from relax_core.models.precision import linear_layers_in
+from relax_core.models.precision import computing_as_trainer
 from relax_core.models.routing_replay import attach_routing_replay
 from relax_core.queue import open_queue
 from relax_core.queue.retry import set_outage_limit
@@ -155,9 +155,7 @@ class RunSession:
     def _for_inference(self, model: torch.nn.Module) -> torch.nn.Module:
         """`model` (an engine's or the KL reference's) with its linear layers in
         model.matmul_dtype when that is set, as the trainer computes them under autocast."""
-        if not self.cfg.model.matmul_dtype:
-            return model
-        return linear_layers_in(model, getattr(torch, self.cfg.model.matmul_dtype))
+        return computing_as_trainer(model, self.cfg.model.matmul_dtype)
 
     def ref_logprobs_context(self, model: torch.nn.Module):
         """What scoring `model` as the KL anchor runs under: the policy's adapters off when

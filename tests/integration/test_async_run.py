@@ -121,6 +121,43 @@ def test_a_bf16_policy_trains_on_float32_master_weights_in_both_modes(small_conf
         torch.testing.assert_close(a_master[name], weight, rtol=0, atol=1e-6)
 
 
+def test_bf16_matmuls_in_async_roles_compute_as_the_trainer(small_config, workdir):
+    """`model.matmul_dtype` in async mode: the rollout role's engine, the actor_fwd and the
+    reference roles compute as the trainer does under autocast. At staleness 0 the log-probs
+    the engine samples with are the ones the trainer computes (no mismatch, as in colocate),
+    actor_fwd's (the same weights) and the reference's on the first step (the starting
+    policy) are the engine's, and the run trains what colocate trains."""
+    train = {"total_steps": 4, "checkpoint_every": 2}
+    bf16 = {"model": {"matmul_dtype": "bfloat16"}}
+    algorithm = {"entropy_coef": 0.01, "kl_coef": 0.05}
+    _finish(_run(small_config("c.yaml", run_name="c", train=train, algorithm=algorithm, **bf16)))
+    roles = {**ASYNC, "services": {**ASYNC["services"], "actor_fwd": True}}
+    a = small_config("a.yaml", run_name="a", train=train, algorithm=algorithm, **bf16, **roles)
+    _finish(_run(a))
+
+    c_ckpt, a_ckpt = _final(workdir, "c"), _final(workdir, "a")
+    assert read_state(a_ckpt)["policy_version"] == 4
+    for ckpt in (c_ckpt, a_ckpt):
+        gaps = _metrics(workdir, read_state(ckpt)["tracking_run_id"], "mismatch/kl")
+        assert len(gaps) == 4 and max(abs(g) for g in gaps) < 1e-7, (ckpt, gaps)
+    queue = TransferQueue(".relax/queue", read_state(a_ckpt)["run_id"])
+    ready = [queue.read("ready", seq) for seq in queue.committed("ready")]
+    for step, table in enumerate(ready):
+        rollout = _flat(table, "rollout_logprobs")
+        assert _flat(table, "old_logprobs").sub(rollout).abs().max() < 1e-6
+        if step == 0:
+            assert _flat(table, "ref_logprobs").sub(rollout).abs().max() < 1e-6
+    c_weights = load_file(os.path.join(c_ckpt, "model.safetensors"))
+    a_weights = load_file(os.path.join(a_ckpt, "model.safetensors"))
+    assert {t.dtype for t in a_weights.values()} == {torch.float32}
+    for name in c_weights:
+        torch.testing.assert_close(a_weights[name], c_weights[name], rtol=0, atol=1e-6)
+
+
+def _flat(table, column: str) -> torch.Tensor:
+    return torch.tensor([x for row in table.column(column).to_pylist() for x in row])
+
+
 def test_a_delayed_trainer_holds_rollout_at_the_staleness_bound(small_config, workdir):
     k, g = 2, 4
     cfg = small_config(

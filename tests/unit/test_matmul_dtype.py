@@ -195,8 +195,8 @@ def test_grouped_query_attention_with_a_mask_matches_repeated_heads_bit_for_bit(
         ),
         ({"model": {"kind": "tiny-omni"}}, "needs a text policy"),
         ({"model": {"matmul_dtype": "float16"}}, "'float16' is not one of , bfloat16"),
-        ({"rollout": {"engine": "sglang"}}, "needs mode colocate, rollout.engine torch"),
-        ({"train": {"lora": {"rank": 8}}}, "needs mode colocate, rollout.engine torch"),
+        ({"rollout": {"engine": "sglang"}}, "needs rollout.engine torch, train.backend torch"),
+        ({"train": {"lora": {"rank": 8}}}, "needs rollout.engine torch, train.backend torch"),
     ],
 )
 def test_the_config_refuses_it_where_it_does_not_apply(sections, expected):
