@@ -4,9 +4,9 @@ and the machine bound.
 Each round is one seed (`--seeds`, one per round) and runs both sides, the order alternating
 from round to round; every side is a fresh process pinned to one CPU set (`--cpus`) that every
 process it starts inherits (bench.common.run_worker):
-  colocate  `configs/cpu-default.yaml` with `configs/cpu-async.yaml`'s model section (async
-            roles take no `model.matmul_dtype`, so both sides start from one policy and compute
-            in float32), every role in one process with `--threads` torch threads;
+  colocate  `configs/cpu-default.yaml` (the model, numerics and warm start cpu-async.yaml has:
+            both sides start from one policy), every role in one process with `--threads` torch
+            threads;
   async     `configs/cpu-async.yaml` (and a variant's overrides), every role its own process,
             sharing the same CPUs as the config's services section says (the trainer takes the
             cores the rollout leaves).
@@ -42,7 +42,6 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.join(REPO, "bench"):
     sys.path[0] = REPO
 
 import argparse
-import dataclasses
 import json
 import resource
 import statistics
@@ -83,10 +82,12 @@ def side_config(side: str, work: str, steps: int, seed: int):
     from relax_core.config import load_config
 
     if side == "colocate":
-        # On the async config's model, so both start from one policy (cpu-default computes its
-        # matmuls in bf16, which async roles do not take).
-        model = dataclasses.asdict(load_config(ASYNC_CFG).model)
-        return _config(COLOCATE_CFG, work, steps, seed, model=model)
+        if load_config(COLOCATE_CFG).model != load_config(ASYNC_CFG).model:
+            raise SystemExit(
+                "cpu-default.yaml and cpu-async.yaml name different models: the sides would "
+                "start from different policies"
+            )
+        return _config(COLOCATE_CFG, work, steps, seed)
     return _config(ASYNC_CFG, work, steps, seed, **VARIANTS[side])
 
 
