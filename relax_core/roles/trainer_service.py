@@ -95,7 +95,7 @@ class AsyncTrainer:
     def __init__(self, ctx: RoleContext) -> None:
         from relax_core.models.lora import is_lora, synced_weights
         from relax_core.pool.weights import make_sender
-        from relax_core.roles.cores import CoreShare
+        from relax_core.roles.cores import CoreShare, check_cores_per_layer
         from relax_core.roles.media import resolver_for
         from relax_core.sync.buckets import specs_of
         from relax_core.train.factory import has_training_state, make_backend, trainer_policy
@@ -127,6 +127,7 @@ class AsyncTrainer:
         self.threads_used: list[int] = []
         if self.cores is not None:
             self.backend.before_micro_batch = self._take_free_cores
+            check_cores_per_layer(self.model, self._take_free_cores)
         self.pool = ReadyPool(ctx, self.state.ready_cursor)
         self.media = resolver_for(cfg, self.model)
         # The layout engines hold: every weight in model.dtype, or a LoRA policy's adapter.

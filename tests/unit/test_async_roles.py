@@ -98,6 +98,42 @@ def test_core_share_lends_idle_cores_to_the_elastic_role(tmp_path):
     assert trainer.free() == 2
 
 
+def test_an_elastic_trainer_takes_cores_freed_in_the_middle_of_a_step(tmp_path):
+    """A rollout engine busy during the trainer's forward and done before its backward: the
+    trainer's layers compute the forward on the one free core and the backward on both."""
+    import torch
+
+    from relax_core.models.tiny import build_char_tokenizer, build_tiny_qwen3
+    from relax_core.roles.cores import check_cores_per_layer
+
+    tok = build_char_tokenizer()
+    model = build_tiny_qwen3(
+        load_config("configs/cpu-default.yaml").model, len(tok), seed=0
+    ).float()
+    trainer = CoreShare(str(tmp_path), 2, "trainer-0")
+    rollout = CoreShare(str(tmp_path), 2, "rollout-0")
+    seen: list[tuple[str, int]] = []
+
+    def take() -> None:
+        torch.set_num_threads(trainer.free())
+
+    def record(phase):
+        return lambda *_: seen.append((phase, torch.get_num_threads()))
+
+    assert check_cores_per_layer(model, take) == 2
+    for layer in model.model.layers:  # registered after the core checks: they see the result
+        layer.register_forward_pre_hook(record("forward"))
+        layer.register_full_backward_pre_hook(record("backward"))
+    threads = torch.get_num_threads()
+    try:
+        with rollout.busy(1):
+            out = model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits
+        out.float().pow(2).mean().backward()
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [("forward", 1)] * 2 + [("backward", 2)] * 2
+
+
 def test_core_share_env_is_checked(monkeypatch):
     monkeypatch.setenv("RELAX_CORE_SHARE", "no-cores-given")
     with pytest.raises(ValueError, match="RELAX_CORE_SHARE"):
