@@ -4,6 +4,8 @@ Per step with policy version v:
   read new `ready` entries -> pool of untrained groups (with their behaviour versions)
   -> `select_step_groups`: the G oldest, none newer than a group still being generated
   -> train_on_table (staleness measured from v) -> v + 1 -> push weights to every engine
+     (on one CPU trainer in a thread of its own, overlapping the next step's batching,
+     forward and backward; the next optimizer step waits for it: `_overlap_publish`)
   -> metrics (staleness histogram, where the time went, the rollout's own metrics from the
      entries' meta) to the run's MLflow run -> checkpoint every N steps.
 The checkpoint records which `ready` entries (and which groups of a partly trained one) were
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from typing import Any
 
@@ -137,6 +140,12 @@ class AsyncTrainer:
         self._eval = None
         self._eval_copy = None
         self.reforms = 0
+        self._overlap = _overlap_publish(cfg, self.backend)
+        self._publishing: threading.Thread | None = None
+        self._publish_error: list[BaseException] = []
+        self._publish_wait_s = 0.0
+        if self._overlap:  # the weights stay put until the update in flight has read them
+            self.backend.before_update = self.finish_publish
 
     # ---- pieces ------------------------------------------------------------------------
     def _take_free_cores(self) -> None:
@@ -149,6 +158,8 @@ class AsyncTrainer:
     def save_checkpoint(self) -> str:
         from relax_core.train.queue_retention import prune_queue
         from relax_core.train.run_state import save_run_checkpoint
+
+        self.finish_publish()
 
         self.state.ready_cursor = self.pool.state()
         self.state.rng = {}
@@ -241,7 +252,9 @@ class AsyncTrainer:
         blocked_since: float | None = None
         next_join_check = t0 + _JOIN_CHECK_S
         while True:
-            if time.perf_counter() >= next_join_check:
+            if self._publishing is not None and not self._publishing.is_alive():
+                self.finish_publish()  # a push that failed fails the step now, not at its end
+            if time.perf_counter() >= next_join_check and self._publishing is None:
                 # An engine that restarted waits for weights before it may admit the groups
                 # this step needs: serve it now, not after the step.
                 next_join_check = time.perf_counter() + _JOIN_CHECK_S
@@ -300,7 +313,8 @@ class AsyncTrainer:
             metrics["perf/trainer_threads"] = sum(self.threads_used) / len(self.threads_used)
             self.threads_used.clear()
         state.policy_version = v + 1
-        self.publish(v + 1)
+        sync_wait, self._publish_wait_s = self._publish_wait_s, 0.0
+        self.publish(v + 1, wait=not self._overlap)
         self.ctx.status["policy_version"] = v + 1
         t3 = time.perf_counter()
         metrics.update(_batch_metrics(batch))
@@ -319,7 +333,9 @@ class AsyncTrainer:
                 "perf/step_s": step_s,
                 "perf/trainer_wait_s": waited,
                 "perf/train_s": t2 - t1,
-                "perf/sync_s": t3 - t2,
+                # Overlapped, the push of this step's weights runs on during the next step;
+                # what it held the previous step up by (the optimizer step waiting) counts here.
+                "perf/sync_s": t3 - t2 + sync_wait,
                 "perf/tokens_per_s": metrics["train/response_length"] * batch.num_rows / step_s,
                 "queue/ready_groups_on_hand": float(len(self.pool.groups)),
                 "queue/ready_through": float(self.pool.cursor.through),
@@ -342,7 +358,7 @@ class AsyncTrainer:
         # from the trainer's current version. Over the object store this also removes the
         # dead trainer's versions above it.
         self.publish(self.state.policy_version)
-        return train_until(
+        final = train_until(
             self.cfg,
             self.state,
             self.cfg.train.total_steps,
@@ -351,10 +367,39 @@ class AsyncTrainer:
             self.save_checkpoint,
             self.ctx.checkpoint_url,
         )
+        self.finish_publish()
+        return final
 
-    def publish(self, version: int) -> None:
+    def publish(self, version: int, wait: bool = True) -> None:
         """Push the current weights as `version`; over broadcast, a group that lost a member
-        (or has one waiting to join) is formed again first and the update goes to all."""
+        (or has one waiting to join) is formed again first and the update goes to all. With
+        `wait` False the push runs in a thread and `finish_publish` waits for it (the backend
+        calls it before its next optimizer step)."""
+        self.finish_publish()
+        if wait:
+            self._push(version)
+            return
+
+        def push() -> None:
+            try:
+                self._push(version)
+            except BaseException as exc:  # re-raised by finish_publish, in the trainer's loop
+                self._publish_error.append(exc)
+
+        self._publishing = threading.Thread(target=push, name=f"publish-v{version}", daemon=True)
+        self._publishing.start()
+
+    def finish_publish(self) -> None:
+        """Wait for a push in flight; raise what it raised."""
+        if self._publishing is not None:
+            t0 = time.perf_counter()
+            self._publishing.join()
+            self._publish_wait_s += time.perf_counter() - t0
+            self._publishing = None
+        if self._publish_error:
+            raise self._publish_error.pop()
+
+    def _push(self, version: int) -> None:
         if not hasattr(self.sender, "push_or_reform"):
             self.sender.push(self._named_weights(), version)
             return
@@ -366,10 +411,29 @@ class AsyncTrainer:
 
     def close(self) -> None:
         try:
+            self.finish_publish()
+        finally:
+            self._close_sender()
+
+    def _close_sender(self) -> None:
+        try:
             self.sender.destroy()
         finally:
             if hasattr(self.backend, "stop"):
                 self.backend.stop()
+
+
+def _overlap_publish(cfg, backend) -> bool:
+    """Whether weight pushes may overlap the next step: a single CPU process training with the
+    torch backend, whose `named_weights` reads its own parameters (sharded and multi-rank
+    backends gather them with collectives of the training group, which must not run beside
+    the step's own; a GPU push would share the device's streams with the step)."""
+    return (
+        cfg.train.backend == "torch"
+        and cfg.services.trainer_gpus <= 1
+        and not torch.cuda.is_available()
+        and hasattr(backend, "before_update")
+    )
 
 
 def serve(ctx: RoleContext) -> None:

@@ -246,6 +246,9 @@ class TorchBackend:
         )
         self.before_micro_batch: Callable[[], None] | None = None
         """Called before each micro-batch's forward (e.g. to take cores other roles freed)."""
+        self.before_update: Callable[[], None] | None = None
+        """Called before the optimizer changes the weights (e.g. to let a weight push that is
+        still reading them finish)."""
         self.scorer: torch.nn.Module = scorer if scorer is not None else ResponseScorer(model)
         """Runs `response_logprobs` over `model` (a sharded backend passes its sharded root)."""
 
@@ -295,6 +298,8 @@ class TorchBackend:
     def apply_gradients(self) -> dict[str, float]:
         """Clip the accumulated gradients, warm up the learning rate and step the optimizer (a
         non-finite gradient norm skips the step)."""
+        if self.before_update is not None:
+            self.before_update()
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
