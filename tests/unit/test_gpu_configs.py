@@ -149,11 +149,15 @@ def test_the_sglang_engine_refuses_a_media_policy():
         replace(base, rollout={"engine": "sglang"})
 
 
+F32 = {"model": {"matmul_dtype": ""}}
+"""cpu-async.yaml's bf16 matmuls are a torch-backend setting: a config moved to FSDP drops them."""
+
+
 def test_a_multi_gpu_trainer_outside_torchrun_is_named(monkeypatch):
     from relax_core.train.factory import make_backend
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    cfg = replace(_cfg("cpu-async"), train={"backend": "fsdp"}, services={"trainer_gpus": 2})
+    cfg = replace(_cfg("cpu-async"), train={"backend": "fsdp"}, services={"trainer_gpus": 2}, **F32)
     with pytest.raises(RuntimeError, match="trainer_gpus is 2 but this trainer has 1 rank"):
         make_backend(None, cfg)
 
@@ -161,7 +165,7 @@ def test_a_multi_gpu_trainer_outside_torchrun_is_named(monkeypatch):
 def test_a_multi_gpu_trainer_is_launched_under_torchrun():
     from relax_core.ops.processes import role_launcher
 
-    cfg = replace(_cfg("cpu-async"), train={"backend": "fsdp"}, services={"trainer_gpus": 4})
+    cfg = replace(_cfg("cpu-async"), train={"backend": "fsdp"}, services={"trainer_gpus": 4}, **F32)
     cmd = role_launcher(cfg, "trainer")
     assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
     assert cmd[-3:] == ["-m", "relax_core.entrypoints.role", "trainer"]
