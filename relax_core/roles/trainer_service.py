@@ -5,7 +5,7 @@ Per step with policy version v:
   -> `select_step_groups`: the G oldest, none newer than a group still being generated
   -> train_on_table (staleness measured from v) -> v + 1 -> push weights to every engine
      (on one CPU trainer in a thread of its own, overlapping the next step's batching,
-     forward and backward; the next optimizer step waits for it: `_overlap_publish`)
+     forward and backward; the next optimizer step waits for it: roles/publisher.py)
   -> metrics (staleness histogram, where the time went, the rollout's own metrics from the
      entries' meta) to the run's MLflow run -> checkpoint every N steps.
 The checkpoint records which `ready` entries (and which groups of a partly trained one) were
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from typing import Any
 
@@ -31,6 +30,7 @@ from relax_core.queue import (
 from relax_core.queue.audit import record_trained
 from relax_core.roles.episodes import response_budget
 from relax_core.roles.evaluation import accuracy_by_modality
+from relax_core.roles.publisher import WeightPublisher, overlaps
 from relax_core.roles.ready_pool import ReadyPool
 from relax_core.roles.service import RoleContext, set_threads
 from relax_core.roles.trainer import train_on_table
@@ -135,17 +135,13 @@ class AsyncTrainer:
         self.media = resolver_for(cfg, self.model)
         # The layout engines hold: every weight in model.dtype, or a LoRA policy's adapter.
         published = None if is_lora(self.model) else cfg.model.dtype
-        self.sender = make_sender(cfg, ctx.queue, specs_of(synced_weights(self.model), published))
+        sender = make_sender(cfg, ctx.queue, specs_of(synced_weights(self.model), published))
+        self.publisher = WeightPublisher(sender, self._named_weights, overlaps(cfg, self.backend))
         self.run_dir = join(cfg.checkpoint.dir, self.state.run_id)
         self._eval = None
         self._eval_copy = None
-        self.reforms = 0
-        self._overlap = _overlap_publish(cfg, self.backend)
-        self._publishing: threading.Thread | None = None
-        self._publish_error: list[BaseException] = []
-        self._publish_wait_s = 0.0
-        if self._overlap:  # the weights stay put until the update in flight has read them
-            self.backend.before_update = self.finish_publish
+        if self.publisher.overlap:  # weights stay put until a push in flight has read them
+            self.backend.before_update = self.publisher.finish
 
     # ---- pieces ------------------------------------------------------------------------
     def _take_free_cores(self) -> None:
@@ -159,7 +155,7 @@ class AsyncTrainer:
         from relax_core.train.queue_retention import prune_queue
         from relax_core.train.run_state import save_run_checkpoint
 
-        self.finish_publish()
+        self.publisher.finish()
 
         self.state.ready_cursor = self.pool.state()
         self.state.rng = {}
@@ -252,14 +248,13 @@ class AsyncTrainer:
         blocked_since: float | None = None
         next_join_check = t0 + _JOIN_CHECK_S
         while True:
-            if self._publishing is not None and not self._publishing.is_alive():
-                self.finish_publish()  # a push that failed fails the step now, not at its end
-            if time.perf_counter() >= next_join_check and self._publishing is None:
+            self.publisher.check()  # a push that failed fails the step now, not at its end
+            if time.perf_counter() >= next_join_check and not self.publisher.in_flight:
                 # An engine that restarted waits for weights before it may admit the groups
                 # this step needs: serve it now, not after the step.
                 next_join_check = time.perf_counter() + _JOIN_CHECK_S
-                if getattr(self.sender, "needs_reform", lambda: False)():
-                    self.publish(self.state.policy_version)
+                if self.publisher.needs_reform():
+                    self.publisher.publish(self.state.policy_version)
             self.pool.refresh()
             enough = len(self.pool.groups) >= r.groups_per_step
             # A group lost upstream (a quarantined rollout entry) never arrives; after a lease
@@ -313,8 +308,8 @@ class AsyncTrainer:
             metrics["perf/trainer_threads"] = sum(self.threads_used) / len(self.threads_used)
             self.threads_used.clear()
         state.policy_version = v + 1
-        sync_wait, self._publish_wait_s = self._publish_wait_s, 0.0
-        self.publish(v + 1, wait=not self._overlap)
+        sync_wait = self.publisher.take_waited()
+        self.publisher.publish(v + 1, wait=False)
         self.ctx.status["policy_version"] = v + 1
         t3 = time.perf_counter()
         metrics.update(_batch_metrics(batch))
@@ -341,7 +336,7 @@ class AsyncTrainer:
                 "queue/ready_through": float(self.pool.cursor.through),
                 "queue/dropped_stale_groups": float(dropped),
                 "queue/quarantined_entries": float(self.pool.quarantined),
-                "sync/reforms": float(self.reforms),
+                "sync/reforms": float(self.publisher.reforms),
             }
         )
         state.train_seconds += step_s
@@ -352,12 +347,12 @@ class AsyncTrainer:
         from relax_core.train.loop import train_until
 
         self.ctx.status["state"] = "waiting for the engines to join weight sync"
-        self.sender.init()
+        self.publisher.init()
         # Engines may hold other weights than this checkpoint's (this trainer restarted and
         # they hold the dead trainer's newer ones, or an engine restarted): everyone starts
         # from the trainer's current version. Over the object store this also removes the
         # dead trainer's versions above it.
-        self.publish(self.state.policy_version)
+        self.publisher.publish(self.state.policy_version)
         final = train_until(
             self.cfg,
             self.state,
@@ -367,73 +362,15 @@ class AsyncTrainer:
             self.save_checkpoint,
             self.ctx.checkpoint_url,
         )
-        self.finish_publish()
+        self.publisher.finish()
         return final
-
-    def publish(self, version: int, wait: bool = True) -> None:
-        """Push the current weights as `version`; over broadcast, a group that lost a member
-        (or has one waiting to join) is formed again first and the update goes to all. With
-        `wait` False the push runs in a thread and `finish_publish` waits for it (the backend
-        calls it before its next optimizer step)."""
-        self.finish_publish()
-        if wait:
-            self._push(version)
-            return
-
-        def push() -> None:
-            try:
-                self._push(version)
-            except BaseException as exc:  # re-raised by finish_publish, in the trainer's loop
-                self._publish_error.append(exc)
-
-        self._publishing = threading.Thread(target=push, name=f"publish-v{version}", daemon=True)
-        self._publishing.start()
-
-    def finish_publish(self) -> None:
-        """Wait for a push in flight; raise what it raised."""
-        if self._publishing is not None:
-            t0 = time.perf_counter()
-            self._publishing.join()
-            self._publish_wait_s += time.perf_counter() - t0
-            self._publishing = None
-        if self._publish_error:
-            raise self._publish_error.pop()
-
-    def _push(self, version: int) -> None:
-        if not hasattr(self.sender, "push_or_reform"):
-            self.sender.push(self._named_weights(), version)
-            return
-        # The function, not its tensors: each transport streams a pass of its own bucket by
-        # bucket, and an update sent again after a group re-forms is read again.
-        if self.sender.push_or_reform(self._named_weights, version):
-            self.reforms += 1
-            log.warning("weight sync group formed again (generation %d)", self.sender.generation)
 
     def close(self) -> None:
         try:
-            self.finish_publish()
-        finally:
-            self._close_sender()
-
-    def _close_sender(self) -> None:
-        try:
-            self.sender.destroy()
+            self.publisher.close()
         finally:
             if hasattr(self.backend, "stop"):
                 self.backend.stop()
-
-
-def _overlap_publish(cfg, backend) -> bool:
-    """Whether weight pushes may overlap the next step: a single CPU process training with the
-    torch backend, whose `named_weights` reads its own parameters (sharded and multi-rank
-    backends gather them with collectives of the training group, which must not run beside
-    the step's own; a GPU push would share the device's streams with the step)."""
-    return (
-        cfg.train.backend == "torch"
-        and cfg.services.trainer_gpus <= 1
-        and not torch.cuda.is_available()
-        and hasattr(backend, "before_update")
-    )
 
 
 def serve(ctx: RoleContext) -> None:
