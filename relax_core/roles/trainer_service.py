@@ -290,6 +290,8 @@ class AsyncTrainer:
         if cfg.services.drop_over_stale:
             batch, dropped = split_over_stale(batch, v, r.max_staleness)
         self.ctx.status["state"] = f"training step {v}"
+        # The layer hooks take cores in an eval's generation too: the metric is the step's own.
+        self.threads_used.clear()
         t1 = time.perf_counter()
         metrics = train_on_table(
             self.backend,
