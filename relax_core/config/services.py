@@ -112,8 +112,8 @@ class ServicesConfig:
     start_timeout_s: float = 300.0
     """How long a service waits for the trainer's weight-sync rendezvous."""
     heartbeat_timeout_s: float = 120.0
-    """Local supervisor: a service whose newest heartbeat is older than this is silent (hung or
-    stopped); it is killed and handled as a failure."""
+    """Local supervisor: a service whose process has not touched its local liveness file for
+    this long is silent (hung or stopped); it is killed and handled as a failure."""
     max_role_restarts: int = 3
     """Local supervisor: restarts in place of one failed or silent service (the trainer resumes
     from its newest checkpoint) before the whole run is restarted from that checkpoint."""

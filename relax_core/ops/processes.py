@@ -29,6 +29,8 @@ class RoleProcess:
     cpu_s: float = 0.0
     started: float = 0.0
     wall_s: float = 0.0
+    liveness: str = ""
+    """The local file the role's process touches while it runs (roles/service.py LIVENESS_ENV)."""
     group: bool = False
     """It leads a process group of its own (torchrun and its trainer ranks): signals go to the
     whole group, so no rank outlives a killed trainer."""

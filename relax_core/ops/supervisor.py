@@ -8,9 +8,9 @@ parallel role tasks cannot run there) and what `python -m relax_core.entrypoints
 
 Parts:
 - start: every role with the run's newest checkpoint; logs under `{run_dir}/logs/`.
-- watch: a role that exits with an error, or whose heartbeat (`control/heartbeats/`, beaten by
-  its own process id) is older than `services.heartbeat_timeout_s` (before its first beat:
-  `services.start_timeout_s`), is a failure; a silent one is killed first.
+- watch: a role that exits with an error, or whose liveness file (local, touched by its process
+  every `services.heartbeat_s`; roles/service.py) is older than `services.heartbeat_timeout_s`
+  (before its first beat: `services.start_timeout_s`), is a failure; a silent one is killed.
 - recover: a failure is restarted in place (the trainer from its newest checkpoint, rollout
   re-generating the groups it had admitted but not committed) up to `services.max_role_restarts`
   times per role within `services.restart_window_s`; beyond that the whole run restarts from
@@ -55,8 +55,9 @@ from relax_core.ops.processes import (
     usable_cores,
 )
 from relax_core.queue import StorageUnavailable, open_queue
-from relax_core.queue.retry import last_outage_ended, set_outage_limit
+from relax_core.queue.retry import set_outage_limit
 from relax_core.roles.cores import ENV as CORE_SHARE_ENV
+from relax_core.roles.service import LIVENESS_ENV
 from relax_core.storage import join, local_dir_for, read_json, remove_file, where, write_json
 from relax_core.train import checkpoint as ckpt
 from relax_core.train import preemption
@@ -102,7 +103,6 @@ class Supervisor:
         """Each model-holding process's GPUs ([] on a CPU run)."""
         self._newest_seen = self.checkpoint
         """The newest checkpoint of the run this supervisor has listed (for messages)."""
-        self._storage_back = 0.0  # when the last slow read of the heartbeats ended
 
     def _prepare(self) -> str:
         """Fresh control state for this launch; returns the config file the roles read."""
@@ -112,7 +112,9 @@ class Supervisor:
         for path in ("control/stop", "control/rendezvous/weights"):
             self.queue.store.delete(path)
         remove_file(join(self.run_dir, FINAL_CHECKPOINT), self.options)
-        shutil.rmtree(os.path.join(self.local_dir, "cores"), ignore_errors=True)
+        for part in ("cores", "liveness"):
+            shutil.rmtree(os.path.join(self.local_dir, part), ignore_errors=True)
+        os.makedirs(os.path.join(self.local_dir, "liveness"))
         cfg_path = os.path.join(self.local_dir, "config.json")
         with open(cfg_path, "w") as f:
             json.dump(config_to_dict(self.cfg), f, sort_keys=True)
@@ -148,8 +150,9 @@ class Supervisor:
         name = f"{role}-{worker}"
         incarnation = sum(1 for p in self.procs if p.name == name)
         log_path = os.path.join(self.local_dir, "logs", f"{name}.log")
-        env = {**self._env, **env_for(self.placement, name)}
         rp = RoleProcess(role, worker, log_path, incarnation, started=time.perf_counter())
+        rp.liveness = os.path.join(self.local_dir, "liveness", f"{name}.{incarnation}")
+        env = {**self._env, **env_for(self.placement, name), LIVENESS_ENV: rp.liveness}
         cmd = [*role_launcher(self.cfg, role), "--cfg", self._cfg_path]
         cmd += ["--run-id", self.run_id, "--checkpoint", self._newest_checkpoint()]
         cmd += ["--worker", str(worker)]
@@ -291,21 +294,21 @@ class Supervisor:
             self._start("rollout", worker)
         log.info("async run %s: %s", self.run_id, ", ".join(self.live))
 
-    def _silent(self, beats: dict[str, dict], rp: RoleProcess) -> float | None:
-        """Seconds since `rp`'s own last heartbeat, if that is longer than the timeout."""
+    def _silent(self, rp: RoleProcess) -> float | None:
+        """Seconds since `rp`'s process last touched its liveness file, if that is longer than
+        the timeout."""
         timeout = self.cfg.services.heartbeat_timeout_s
-        # While storage was down no heartbeat could be written: silence counts from its return.
-        since_outage = time.time() - max(last_outage_ended(), self._storage_back)
-        age = min(time.perf_counter() - rp.started, since_outage)
-        beat = beats.get(rp.name)
-        if beat is None or beat.get("info", {}).get("pid") != rp.pid:
-            # Not beating yet: still importing and loading, given as long as joining takes.
+        try:
+            beat = os.stat(rp.liveness).st_mtime
+        except FileNotFoundError:
+            # Not beating yet (still importing): given as long as joining takes.
+            age = time.perf_counter() - rp.started
             grace = max(timeout, self.cfg.services.start_timeout_s)
             return age if age > grace else None
-        silent = min(time.time() - float(beat["time"]), since_outage)
+        silent = time.time() - beat
         return silent if silent > timeout else None
 
-    def _failures(self, beats: dict[str, dict]) -> list[tuple[RoleProcess, str]]:
+    def _failures(self) -> list[tuple[RoleProcess, str]]:
         """Live role processes that failed since the last look, with what happened."""
         failed = []
         for rp in list(self.live.values()):
@@ -313,7 +316,7 @@ class Supervisor:
                 if rp.exit_code != 0:
                     failed.append((rp, f"exited with code {rp.exit_code}"))
                 continue
-            silent = self._silent(beats, rp)
+            silent = self._silent(rp)
             if silent is not None:
                 self._kill(rp)
                 failed.append((rp, f"silent for {silent:.0f} s (no heartbeat); killed"))
@@ -361,11 +364,7 @@ class Supervisor:
     def _watch(self) -> None:
         trainer_done_at: float | None = None
         while True:
-            asked = time.time()
-            beats = {f"{b['role']}-{b['worker_id']}": b for b in self.queue.heartbeats()}
-            if time.time() - asked > max(1.0, 2 * self.cfg.services.heartbeat_s):
-                self._storage_back = time.time()  # a slow read: beats may not have got through
-            for rp, what in self._failures(beats):
+            for rp, what in self._failures():
                 if rp.exit_code == StorageUnavailable.exit_code:
                     raise StorageUnavailable(
                         f"{rp.name} {what}: its storage stayed unreachable past "
@@ -378,7 +377,8 @@ class Supervisor:
             trainer = self.live["trainer-0"]
             if trainer.exit_code is None and not self.queue.stopped():
                 assert self.pool is not None
-                self.pool.tick(beats)
+                beats = self.queue.heartbeats()  # what each engine does (not its liveness)
+                self.pool.tick({f"{b['role']}-{b['worker_id']}": b for b in beats})
             if trainer.exit_code == 0 and trainer_done_at is None:
                 trainer_done_at = time.monotonic()
             if all(rp.exit_code is not None for rp in self.live.values()):

@@ -3,8 +3,7 @@ stays unreachable (an object store restarting), a wait up to the outage limit.
 
 The limit is the run's `storage.outage_limit_s`, set once per process (`set_outage_limit`) so
 every store a role opens, the queue's and the checkpoints', waits the same. The threads waiting
-on one root share one set of log lines (`OUTAGES`), and the time storage last came back is kept
-for the local supervisor, which must not take the heartbeats nobody could write for silence.
+on one root share one set of log lines (`OUTAGES`).
 """
 
 from __future__ import annotations
@@ -68,14 +67,11 @@ class RetryPolicy:
 class _Outages:
     """Which storage roots this process is waiting for, so that the threads waiting on one
     root (a role's work and its heartbeats) log one line when the wait starts, one every
-    OUTAGE_LOG_EVERY_S, and one when the root answers again; and when the last wait ended,
-    which the local supervisor needs to tell a stale heartbeat from storage that was down."""
+    OUTAGE_LOG_EVERY_S, and one when the root answers again."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiting: dict[str, list[float]] = {}  # root -> [since, last logged, waiters]
-        self.last_ended = 0.0
-        """time.time() when this process last saw storage come back (0 = never)."""
 
     def waiting(self, root: str, since: float, what: str, limit: float, err: Exception) -> None:
         now = time.monotonic()
@@ -115,7 +111,6 @@ class _Outages:
                 return
             entry[2] -= 1
             if recovered:
-                self.last_ended = time.time()
                 log.warning(
                     "storage at %s answers again after %.0f s", root, time.monotonic() - entry[0]
                 )
@@ -125,11 +120,6 @@ class _Outages:
 
 
 OUTAGES = _Outages()
-
-
-def last_outage_ended() -> float:
-    """time.time() when storage last came back after this process waited for it (0 = never)."""
-    return OUTAGES.last_ended
 
 
 def brief(err: BaseException) -> str:

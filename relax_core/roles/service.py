@@ -30,6 +30,13 @@ log = logging.getLogger(__name__)
 
 ROLES = ("rollout", "reference", "actor_fwd", "advantages", "trainer")
 
+LIVENESS_ENV = "RELAX_LIVENESS_FILE"
+"""Set by the local supervisor for each process it starts: a file on that machine which the
+service touches every `services.heartbeat_s` from a thread of its own. It is what the supervisor
+judges silence by: it keeps beating while the run's storage is down or slow (the storage
+heartbeat waits out an outage, the process is not hung), and whichever process serves the role
+beats it (torchrun's rank 0 for a multi-GPU trainer, not the torchrun process that was started)."""
+
 
 def load_run_config(path_or_json: str) -> RunConfig:
     """A YAML file, a JSON file, or JSON text."""
@@ -93,6 +100,32 @@ class RoleContext:
         threading.Thread(target=loop, name=f"heartbeat-{self.name}", daemon=True).start()
 
 
+def beat_locally(name: str, every_s: float) -> threading.Event:
+    """Touch the local supervisor's liveness file (LIVENESS_ENV, when set) every `every_s` from
+    a daemon thread until the returned event is set."""
+    done = threading.Event()
+    path = os.environ.get(LIVENESS_ENV)
+
+    def loop() -> None:
+        failing = False
+        while True:
+            try:
+                with open(path, "a"):
+                    pass
+                os.utime(path)
+                failing = False
+            except OSError as exc:  # said once; the supervisor sees the silence
+                if not failing:
+                    log.warning("%s: liveness file %s: %s", name, path, exc)
+                failing = True
+            if done.wait(every_s):
+                return
+
+    if path:
+        threading.Thread(target=loop, name=f"liveness-{name}", daemon=True).start()
+    return done
+
+
 def set_threads(n: int) -> None:
     import torch
 
@@ -109,20 +142,26 @@ def run_role(
     worker: int = 0,
 ) -> None:
     """Serve `role` in this process until the run stops (a Flyte task calls this directly)."""
-    set_outage_limit(cfg.storage.outage_limit_s)
-    use_deterministic_kernels(cfg.train.deterministic)
-    queue = open_queue(cfg.queue, run_id)
-    # Only the trainer loads optimizer state and master weights: the others never download them.
-    skip = () if role == "trainer" else TRAINER_ONLY
-    local = local_checkpoint(checkpoint, cfg.storage.options(), cfg.storage.scratch_dir, skip)
-    ctx = RoleContext(role, worker, cfg, run_id, local, queue, checkpoint_url=where(checkpoint))
-    ctx.status["state"] = "starting"
-    ctx.start_heartbeats()
-    freeze_heap()
-    serve(ctx)
-    if ctx.status.get("state") != "drained":  # an elastic engine removed mid-run says so
-        ctx.status["state"] = "stopped"
-    ctx.beat()
+    # Alive from here on, also while the checkpoint download waits out a storage outage.
+    alive = beat_locally(f"{role}-{worker}", cfg.services.heartbeat_s)
+    try:
+        set_outage_limit(cfg.storage.outage_limit_s)
+        use_deterministic_kernels(cfg.train.deterministic)
+        queue = open_queue(cfg.queue, run_id)
+        # Only the trainer loads optimizer state and master weights: the others never download
+        # them.
+        skip = () if role == "trainer" else TRAINER_ONLY
+        local = local_checkpoint(checkpoint, cfg.storage.options(), cfg.storage.scratch_dir, skip)
+        ctx = RoleContext(role, worker, cfg, run_id, local, queue, checkpoint_url=where(checkpoint))
+        ctx.status["state"] = "starting"
+        ctx.start_heartbeats()
+        freeze_heap()
+        serve(ctx)
+        if ctx.status.get("state") != "drained":  # an elastic engine removed mid-run says so
+            ctx.status["state"] = "stopped"
+        ctx.beat()
+    finally:
+        alive.set()
 
 
 def stage_chain(cfg: RunConfig) -> list[tuple[str, str, str]]:

@@ -14,21 +14,31 @@ import pytest
 
 from relax_core.queue import TransferQueue
 from relax_core.queue.audit import audit_run
+from relax_core.storage import read_json
 from relax_core.train.checkpoint import find_resume_checkpoint, read_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_an_async_run_trains_with_a_two_rank_fsdp_trainer(small_config, workdir):
-    total = 4
+    total = 400
     cfg = small_config(
         "fsdp.yaml",
         run_name="fsdp",
         mode="async",
         rollout={"max_staleness": 1},
         # Mid-run evals gather the sharded weights from both ranks into a copy to generate with.
-        train={"total_steps": total, "checkpoint_every": 2, "eval_every": 2, "backend": "fsdp"},
-        services={"trainer_threads": 1, "poll_s": 0.002, "heartbeat_s": 0.2, "trainer_gpus": 2},
+        train={"total_steps": total, "checkpoint_every": 200, "eval_every": 200, "backend": "fsdp"},
+        # The run outlasts start_timeout_s: the supervisor must see torchrun's rank 0 beating
+        # for the torchrun process it started, or it kills a healthy trainer as silent.
+        services={
+            "trainer_threads": 1,
+            "poll_s": 0.002,
+            "heartbeat_s": 0.2,
+            "heartbeat_timeout_s": 5.0,
+            "start_timeout_s": 30.0,
+            "trainer_gpus": 2,
+        },
     )
     out = subprocess.run(
         [sys.executable, "-m", "relax_core.entrypoints.run", "--cfg", cfg],
@@ -39,6 +49,8 @@ def test_an_async_run_trains_with_a_two_rank_fsdp_trainer(small_config, workdir)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     final = find_resume_checkpoint(".relax/checkpoints", "fsdp")
     state = read_state(final)
+    recovery = read_json(os.path.join(os.path.dirname(final), "recovery.json"))
+    assert recovery["role_restarts"] == {} and recovery["global_restarts"] == 0, recovery
     assert state["policy_version"] == total
     audit = audit_run(TransferQueue(".relax/queue", state["run_id"]), state)
     assert audit["lost_groups"] == 0 and audit["duplicated_groups"] == 0, audit
