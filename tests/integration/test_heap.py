@@ -90,10 +90,13 @@ print(json.dumps({"faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt -
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings")
 def test_training_steps_reuse_freed_memory_instead_of_faulting_it_in_again(tmp_path):
     # With glibc's defaults a step's activation and gradient buffers are mapped, unmapped and
-    # faulted in again at every step: on the CPU default's warm start (2 threads) about 1,700
-    # page faults a step, against about 20 with freed memory kept (the whole CPU-default run at
-    # width 128: 380-830k against 193k). The steps' share is what 40 more steps add: the model,
-    # its optimizer and the first step's buffers are faulted in once either way.
+    # faulted in again at every step: on the CPU default's warm start (2 threads) 1,250-1,700
+    # page faults a step, against 20-210 with freed memory kept (the whole CPU-default run at
+    # width 128: 380-830k against 193k). The kept figure varies run to run because the heap
+    # still grows between these steps, a different amount each run (oneDNN's per-shape kernel
+    # caches are part of it, docs/operations.md), and growth is faulted in either way. The
+    # steps' share is what 40 more steps add: the model, its optimizer and the first step's
+    # buffers are faulted in once either way.
     def per_step(name: str, **env: str) -> float:
         short, long = (
             _run(FAULTS, tmp_path / f"{name}-{n}", **env, _args=(str(n),))["faults"]
@@ -104,7 +107,7 @@ def test_training_steps_reuse_freed_memory_instead_of_faulting_it_in_again(tmp_p
     kept = per_step("kept")
     default = per_step("default", RELAX_KEEP_FREED_MEMORY="0")
     assert default > 300, default  # glibc's defaults do fault the buffers in again each step
-    assert kept < default / 10, (kept, default)
+    assert kept < default / 4, (kept, default)
 
 
 def test_glibc_settings_the_user_made_are_left_alone(monkeypatch):
