@@ -222,7 +222,8 @@ class ObjectStore:
         return {full[k]: v for k, v in got.items() if k in full and isinstance(v, bytes)}
 
     def list_dir(self, prefix: str) -> list[str]:
-        """Sorted names directly under `prefix` (not paths); [] if it does not exist.
+        """Sorted names directly under `prefix` (not paths); [] if it does not exist or is an
+        object, as on S3 (a run's access probe is a file beside the runs' folders).
 
         Listings are never served from fsspec's cache: a stale listing would hide commits.
         """
@@ -230,7 +231,7 @@ class ObjectStore:
         if self.is_local:
             try:
                 names = os.listdir(full)
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 return []
             return sorted(n for n in names if not n.startswith(_TMP_PREFIX))
 

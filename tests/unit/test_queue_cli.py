@@ -51,8 +51,11 @@ def test_summary_shows_backlog_staleness_quarantine_and_heartbeats(tmp_path, cap
 
 def test_json_summary_and_run_listing(tmp_path, capsys) -> None:
     _run_queue(str(tmp_path))
+    # A run starting in the same root checks its access with a probe file there meanwhile.
+    (tmp_path / ".relax-probe-0123").write_bytes(b"probe")
     assert relax(["queue", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == ["run-a"]
+    assert TransferQueue(str(tmp_path), ".relax-probe-0123").heartbeats() == []
     assert relax(["queue", str(tmp_path), "--run", "run-a", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     ready = summary["stages"]["ready"]
