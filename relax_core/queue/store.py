@@ -222,8 +222,7 @@ class ObjectStore:
         return {full[k]: v for k, v in got.items() if k in full and isinstance(v, bytes)}
 
     def list_dir(self, prefix: str) -> list[str]:
-        """Sorted names directly under `prefix` (not paths); [] if it does not exist or is an
-        object, as on S3 (a run's access probe is a file beside the runs' folders).
+        """Sorted names directly under `prefix` (not paths); [] if it is absent or an object.
 
         Listings are never served from fsspec's cache: a stale listing would hide commits.
         """
