@@ -17,9 +17,15 @@ each key/value head for its query heads there (a copy per layer forward, and in 
 sum over the copies), which torch's CPU kernels do not need. The same products in the same
 order: outputs and gradients equal the repeated heads' bit for bit (tests/unit/test_matmul_dtype.py),
 and a training step of the CPU default spends ~3 ms less in attention.
+
+It also reads a packed response pass (`packed=PackedResponses` among the attention arguments,
+train/shared_prompts.py): the layers around it ran the rows' real tokens as one row, and the
+attention lays them out padded after their prompt's keys and values, and back.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
@@ -42,6 +48,9 @@ def sdpa_float32(
     """transformers' SDPA attention computed in float32; the output in `query`'s dtype.
     query [B, H, Q, D], key/value [B, H_kv, K, D], as transformers passes them."""
     dtype = query.dtype
+    packed = kwargs.pop("packed", None)
+    if packed is not None:
+        return _packed_attention(module, query, key, value, packed, kwargs.get("scaling")), None
     if attention_mask is not None and attention_mask.is_floating_point():
         attention_mask = attention_mask.float()
     with torch.autocast(query.device.type, enabled=False):
@@ -60,6 +69,66 @@ def sdpa_float32(
             module, query.float(), key.float(), value.float(), attention_mask, **kwargs
         )
     return out.to(dtype), weights
+
+
+@dataclass(frozen=True)
+class PackedResponses:
+    """A response pass over shared prompts (train/shared_prompts.py) whose tokens run packed:
+    the B rows' real input tokens as one row of N, so that the linear layers, norms and MLPs
+    compute no padding. Attention alone lays them out padded, [B, W], after each row's prompt.
+    """
+
+    prompt_keys: list[torch.Tensor]
+    """Per layer, the distinct prompts' keys [G, H_kv, P, D] (left-padded prompts)."""
+    prompt_values: list[torch.Tensor]
+    row: torch.Tensor
+    """[B] the prompt each row continues."""
+    index: torch.Tensor
+    """[N] each packed token's place in the padded [B * W] layout, ascending."""
+    width: int
+    """W: the longest row's input tokens."""
+    tokens: int
+    """N, the real tokens; the packed row may hold more after them (a shape oneDNN has seen),
+    whose attention output is zero."""
+    mask: torch.Tensor
+    """[B, 1, W, P + W] bool: the prompt's real tokens and the row's inputs up to the query's."""
+
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, H, N, D] packed -> [B, H, W, D], zeros at padding (masked out by `mask`)."""
+        _, heads, _, dim = x.shape
+        rows = self.row.shape[0]
+        flat = x[0, :, : self.tokens].transpose(0, 1)  # [N, H, D]
+        out = flat.new_zeros(rows * self.width, heads, dim).index_copy(0, self.index, flat)
+        return out.view(rows, self.width, heads, dim).transpose(1, 2)
+
+
+def _packed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    packed: PackedResponses,
+    scale: float | None,
+) -> torch.Tensor:
+    """[1, N, H, D]: float32 attention of the packed queries over their row's prompt and
+    inputs, as the padded pass computes it for every real token."""
+    layer, dtype = module.layer_idx, query.dtype
+    keys = torch.cat([packed.prompt_keys[layer].index_select(0, packed.row), packed.padded(key)], 2)
+    values = [packed.prompt_values[layer].index_select(0, packed.row), packed.padded(value)]
+    query = packed.padded(query)
+    with torch.autocast(query.device.type, enabled=False):
+        out = F.scaled_dot_product_attention(
+            query.float(),
+            keys.float(),
+            torch.cat(values, 2).float(),
+            attn_mask=packed.mask,
+            scale=scale,
+            enable_gqa=query.shape[1] != keys.shape[1],
+        )
+    rows, heads, width, dim = out.shape
+    flat = out.transpose(1, 2).reshape(rows * width, heads, dim).index_select(0, packed.index)
+    extra = flat.new_zeros(key.shape[2] - packed.tokens, heads, dim)
+    return torch.cat([flat, extra]).unsqueeze(0).to(dtype)
 
 
 _SDPA_EXTRAS = ("softcap", "position_bias", "cache", "is_causal", "s_aux")

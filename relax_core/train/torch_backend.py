@@ -21,8 +21,7 @@ import os
 from collections.abc import Callable, Iterator
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers import PreTrainedModel
 
 from relax_core.config import TrainConfig
 from relax_core.models.lora import adapter_weights, base_state_dict, is_lora, save_adapter
@@ -31,6 +30,7 @@ from relax_core.multimodal.protocol import MultimodalDecoder
 from relax_core.train.backend import MASTER_WEIGHTS_FILE, MicroBatchLoss
 from relax_core.train.batch import MicroBatch
 from relax_core.train.master_weights import load_master_weights, save_master_weights
+from relax_core.train.shared_prompts import shared_prompt_hidden
 
 OPTIMIZER_FILE = "optimizer.pt"
 
@@ -76,7 +76,7 @@ def greedy_matches(model: PreTrainedModel, mb: MicroBatch) -> torch.Tensor:
 def response_hidden(model: PreTrainedModel, mb: MicroBatch) -> torch.Tensor:
     """[B, R, d]: the decoder's hidden state predicting each response token of `mb`."""
     if mb.shared is not None and mb.media is None:
-        return _shared_prompt_hidden(model, mb)
+        return shared_prompt_hidden(model, mb)
     if mb.media is not None and isinstance(model, MultimodalDecoder):  # M-RoPE positions
         inputs = model.decoder_inputs(mb.input_ids, mb.attention_mask, mb.media)
         hidden = model.get_decoder()(**inputs, attention_mask=mb.attention_mask).last_hidden_state
@@ -123,58 +123,6 @@ def _token_logprobs(
         entropy = -(logp_all.exp() * logp_all).sum(-1)
     padded = torch.zeros(tokens.shape, dtype=logprobs.dtype, device=logprobs.device)
     return padded.masked_scatter(real, logprobs), padded.masked_scatter(real, entropy)
-
-
-def _select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
-    """Keep `rows` [B] of the cache's batch (repeats allowed), as batch_select_indices does, but
-    with index_select, whose backward adds repeated rows in a fixed order (see the caller)."""
-    for layer in cache.layers:
-        if type(layer).batch_select_indices is not DynamicLayer.batch_select_indices:
-            layer.batch_select_indices(rows)  # a layer holding more than keys and values
-        elif layer.get_seq_length() > 0:
-            layer.keys = layer.keys.index_select(0, rows)
-            layer.values = layer.values.index_select(0, rows)
-
-
-def _shared_prompt_hidden(model: PreTrainedModel, mb: MicroBatch) -> torch.Tensor:
-    """[B, R, d] hidden states predicting each response token, each distinct prompt run once.
-
-    The prompts' forward fills a KV cache that is then indexed out to every row continuing it
-    (the indexing is differentiable: each row's gradient flows back into its prompt's keys and
-    values), and the responses run on top of it. Response token 0 is predicted by the prompt's
-    last hidden state, token t by the response's token t - 1.
-    """
-    sp = mb.shared
-    assert sp is not None
-    decoder = model.get_decoder()
-    cache = DynamicCache()
-    prompt = decoder(
-        input_ids=sp.ids,
-        attention_mask=sp.mask,
-        position_ids=(sp.mask.cumsum(-1) - 1).clamp(min=0),
-        past_key_values=cache,
-        use_cache=True,
-    ).last_hidden_state
-    # Rows are taken with index_select, not advanced indexing (`x[rows]`, as in transformers'
-    # Cache.batch_select_indices): the backward of advanced indexing on the CPU is index_put_
-    # with accumulate=True, which adds a prompt's rows with atomic adds from several threads in
-    # a varying order, so the same step gave different gradients run to run. index_select's
-    # backward (index_add_) adds them in index order.
-    first = prompt[:, -1].index_select(0, sp.row).unsqueeze(1)  # left-padded: last column real
-    width = mb.response_ids.shape[1]
-    if width == 1:
-        return first
-    _select_rows(cache, sp.row)
-    prompt_len = sp.mask.sum(-1)[sp.row]
-    steps = torch.arange(width - 1, device=prompt_len.device)
-    rest = decoder(
-        input_ids=mb.response_ids[:, :-1],
-        attention_mask=torch.cat([sp.mask[sp.row], sp.response_mask[:, :-1]], dim=-1),
-        position_ids=prompt_len.unsqueeze(1) + steps,
-        past_key_values=cache,
-        use_cache=True,
-    ).last_hidden_state
-    return torch.cat([first, rest], dim=1)
 
 
 class ResponseScorer(torch.nn.Module):

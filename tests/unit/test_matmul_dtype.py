@@ -154,7 +154,11 @@ def test_grouped_query_attention_with_a_mask_matches_repeated_heads_bit_for_bit(
     from transformers import AttentionInterface
 
     import relax_core.models.attention as attention
+    import relax_core.train.shared_prompts as shared_prompts
 
+    # The padded response pass, whose masked calls these are (the packed one lays its tokens
+    # out the same way: tests/unit/test_packed_responses.py).
+    monkeypatch.setattr(shared_prompts, "_packs", lambda *_: False)
     AttentionInterface.register("sdpa_float32_repeated", _repeated_heads)
     AttentionMaskInterface.register("sdpa_float32_repeated", sdpa_mask)
     cfg = _cfg(model={"matmul_dtype": "bfloat16"})
