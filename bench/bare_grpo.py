@@ -7,7 +7,8 @@ so on one thread count a run gives the main job's weights and evals bit for bit:
 start's initial weights, batches and masked token-mean loss; then per step the engine's prompt
 order, each distinct prompt prefilled once, the engine's sampler, finished rows leaving the
 decode batch once they are a quarter of it, token-budget micro-batches (longest rows first)
-whose distinct prompts run once in the training forward, the LM head on real tokens only,
+whose distinct prompts run once in the training forward (the responses on top packed, without
+padding, under `model.matmul_dtype`), the LM head on real tokens only,
 group-normalized advantages, PPO clip, token-mean loss, AdamW (0.9, 0.99), grad clip.
 `bench/overhead.py --check` compares the steps and lists what the engine does besides.
 
@@ -74,6 +75,40 @@ def numerics(model, matmuls: torch.dtype | None):
 
     use_float32_attention(model)
     return lambda: torch.autocast("cpu", dtype=matmuls)
+
+
+def packed_responses(decoder, cache, row, resp, real, first) -> torch.Tensor:
+    """[B, R, d] hidden states as the engine's trainer computes them under float32 attention:
+    the rows' real response inputs as one row, rounded up to 8 lengths an octave and laid out
+    padded after their prompt (all of one length here) inside attention only."""
+    from relax_core.models.attention import PackedResponses
+
+    rows, width = resp.shape
+    w, prompt_len = width - 1, cache.layers[0].keys.shape[2]
+    inputs = real[:, 1:]
+    index = inputs.reshape(-1).nonzero().squeeze(1)
+    n = index.numel()
+    causal = torch.ones(w, w, dtype=torch.bool).tril()
+    mask = torch.cat(
+        [torch.ones(rows, w, prompt_len, dtype=torch.bool), causal & inputs.unsqueeze(1)], 2
+    ).unsqueeze(1)
+    keys = [layer.keys for layer in cache.layers]
+    values = [layer.values for layer in cache.layers]
+    packed = PackedResponses(keys, values, row, index, w, n, mask)
+    step = 1 << max(0, n.bit_length() - 4)
+    extra = torch.zeros(-(-n // step) * step - n, dtype=torch.long)
+    positions = (prompt_len + torch.arange(w)).repeat(rows).index_select(0, index)
+    ids = resp[:, :-1].reshape(-1).index_select(0, index)
+    rest = decoder(
+        input_ids=torch.cat([ids, extra]).unsqueeze(0),
+        position_ids=torch.cat([positions, extra]).unsqueeze(0),
+        use_cache=False,
+        packed=packed,
+    ).last_hidden_state[0, :n]
+    slots = torch.cat([torch.arange(rows) * width, (index // w) * width + index % w + 1])
+    hidden = torch.cat([first, rest])
+    out = hidden.new_zeros(rows * width, hidden.shape[-1]).index_copy(0, slots, hidden)
+    return out.view(rows, width, -1)
 
 
 def matmul_dtype(cfg) -> torch.dtype | None:
@@ -170,6 +205,7 @@ class BareGRPO:
         use_deterministic_kernels(cfg.train.deterministic)
         self.epoch, self.pos, self.order = 0, 0, None
         self.compute = numerics(model, matmul_dtype(cfg))
+        self.packed = matmul_dtype(cfg) is not None  # the engine's trainer packs its responses
 
     def next_prompts(self, n: int) -> list[int]:
         """The engine's order: one permutation of the dataset per (seed, epoch)."""
@@ -241,13 +277,17 @@ class BareGRPO:
                 cache = DynamicCache()
                 out = decoder(input_ids=prompts[list(index)], past_key_values=cache, use_cache=True)
                 # index_select, not x[row]: its backward adds a prompt's rows in a fixed order.
-                hidden = out.last_hidden_state[:, -1].index_select(0, row).unsqueeze(1)
-                if width > 1:  # the responses on top of their prompt's keys and values
+                hidden = out.last_hidden_state[:, -1].index_select(0, row)
+                if width > 1 and self.packed:
+                    hidden = packed_responses(decoder, cache, row, resp, real, hidden)
+                elif width > 1:  # the responses on top of their prompt's keys and values
                     for layer in cache.layers:
                         layer.keys = layer.keys.index_select(0, row)
                         layer.values = layer.values.index_select(0, row)
                     rest = decoder(input_ids=resp[:, :-1], past_key_values=cache, use_cache=True)
-                    hidden = torch.cat([hidden, rest.last_hidden_state], 1)
+                    hidden = torch.cat([hidden.unsqueeze(1), rest.last_hidden_state], 1)
+                else:
+                    hidden = hidden.unsqueeze(1)
                 logp = response_logp(self.model, hidden, resp, real, c.rollout.temperature)
             ratio = torch.exp(logp - logp.detach())  # on-policy: the old log-probs are these
             a, lo, hi = adv[mb, None], c.algorithm.eps_clip, c.algorithm.eps_clip_high
