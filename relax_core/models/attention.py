@@ -50,7 +50,7 @@ def sdpa_float32(
     dtype = query.dtype
     packed = kwargs.pop("packed", None)
     if packed is not None:
-        return _packed_attention(module, query, key, value, packed, kwargs.get("scaling")), None
+        return _packed_attention(module, query, key, value, packed, kwargs), None
     if attention_mask is not None and attention_mask.is_floating_point():
         attention_mask = attention_mask.float()
     with torch.autocast(query.device.type, enabled=False):
@@ -108,10 +108,10 @@ def _packed_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     packed: PackedResponses,
-    scale: float | None,
+    kwargs: dict,
 ) -> torch.Tensor:
-    """[1, N, H, D]: float32 attention of the packed queries over their row's prompt and
-    inputs, as the padded pass computes it for every real token."""
+    """[1, L, H, D] for the packed row of L: float32 attention of its N real queries over their
+    row's prompt and inputs, as the padded pass computes it for each, and zeros after them."""
     layer, dtype = module.layer_idx, query.dtype
     keys = torch.cat([packed.prompt_keys[layer].index_select(0, packed.row), packed.padded(key)], 2)
     values = [packed.prompt_values[layer].index_select(0, packed.row), packed.padded(value)]
@@ -122,7 +122,8 @@ def _packed_attention(
             keys.float(),
             torch.cat(values, 2).float(),
             attn_mask=packed.mask,
-            scale=scale,
+            dropout_p=kwargs.get("dropout", 0.0),
+            scale=kwargs.get("scaling"),
             enable_gqa=query.shape[1] != keys.shape[1],
         )
     rows, heads, width, dim = out.shape

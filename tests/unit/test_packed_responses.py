@@ -50,8 +50,12 @@ def _batch(tok):
 def _train_pass(model, backend, mb, weights):
     """(log-probs, entropies, gradients, the token counts layer 0's query projection saw)."""
     seen = []
-    hook = model.get_decoder().layers[0].self_attn.q_proj.register_forward_pre_hook(
-        lambda _m, args: seen.append(args[0].shape[:-1].numel())
+    hook = (
+        model.get_decoder()
+        .layers[0]
+        .self_attn.q_proj.register_forward_pre_hook(
+            lambda _m, args: seen.append(args[0].shape[:-1].numel())
+        )
     )
     model.zero_grad()
     logp, entropy = backend._forward(mb)
