@@ -1,8 +1,10 @@
 """Torch train backend: an HF causal LM, AdamW, gradient accumulation over token-budget micro-batches.
 
-Log-probs are computed only at response positions: the decoder runs over the whole sequence, but the
-LM head (the widest matmul for real vocabularies) sees just the hidden states that predict real
-response tokens (not a micro-batch's padding, whose log-prob and entropy are 0). Logits are divided
+Log-probs are computed only at response positions: the decoder runs over the whole sequence (rows
+repeating a prompt run it once, their responses packed without padding under float32 attention:
+train/shared_prompts.py), but the LM head (the widest matmul for real vocabularies) sees just the
+hidden states that predict real response tokens (not a micro-batch's padding, whose log-prob and
+entropy are 0). Logits are divided
 by the rollout temperature so the trainer scores the distribution the engine sampled from. A
 micro-batch with `routed_experts` runs with the policy's routers replaying them
 (models/routing_replay.py).
