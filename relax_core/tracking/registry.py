@@ -114,10 +114,18 @@ def _signature(max_new_tokens: int):
 
 def _requirements() -> list[str]:
     """What serving the model needs, pinned to what trained it (inferring it would load the
-    model in a subprocess, ~10 s)."""
-    from importlib.metadata import version
+    model in a subprocess, ~10 s). A package that runs without being installed (relax-flyte
+    from a checkout on PYTHONPATH, mlflow-skinny in place of mlflow) is left out: no pin of it
+    can be had, and a made-up one would fail the install."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    return [f"{p}=={version(p)}" for p in ("relax-flyte", "torch", "transformers", "mlflow")]
+    pins = []
+    for package in ("relax-flyte", "torch", "transformers", "mlflow"):
+        try:
+            pins.append(f"{package}=={version(package)}")
+        except PackageNotFoundError:
+            continue
+    return pins
 
 
 def _version_of_run(

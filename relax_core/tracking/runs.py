@@ -4,7 +4,7 @@ to its run id and, in a pod, to its Flyte execution."""
 from __future__ import annotations
 
 import os
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
 from relax_core.config import RunConfig
 from relax_core.tracking.monitor import Monitor
@@ -45,12 +45,21 @@ FLYTE_TAGS = {
 runs). The task version is the version the workflow was registered under."""
 
 
+def _package_version() -> str:
+    """The installed relax-flyte's version; 'source' when the package runs from a checkout on
+    PYTHONPATH without being installed (an image that copies the repo, a GPU bring-up)."""
+    try:
+        return version("relax-flyte")
+    except PackageNotFoundError:
+        return "source"
+
+
 def run_tags(run_id: str, mode: str) -> dict[str, str]:
     """Tags of a training run's MLflow run: ours, and the Flyte execution's when in a pod."""
     tags = {
         "relax.run_id": run_id,
         "relax.mode": mode,
-        "relax.version": version("relax-flyte"),
+        "relax.version": _package_version(),
     }
     for tag, variable in FLYTE_TAGS.items():
         if os.environ.get(variable):
