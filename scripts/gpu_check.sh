@@ -7,8 +7,11 @@
 # path imports and that machine lacks travels as wheels in .whl/ (megatron-core for Python
 # 3.12: see docs/gpus.md, "GPU bring-up kit"); they are installed into /tmp/relax-site, not
 # into that Python. Runs bench/gpu_check.py (peak, torch, fsdp, engine, megatron, nccl), then
-# the gpu-marked tests unless GPU_CHECK_TESTS=0. Output also goes to $GPU_CHECK_OUT (default
-# gpu-check/) as gpu_check.log, gpu_check.json and gpu_tests.log.
+# the gpu-marked tests unless GPU_CHECK_TESTS=0, then whole runs of shipped configs on the GPU
+# (GPU_CHECK_RUNS, default configs/cpu-default.yaml; empty skips them). Output also goes to
+# $GPU_CHECK_OUT (default gpu-check/) as gpu_check.log, gpu_check.json, gpu_tests.log and
+# run_<config>.log. GPU_CHECK_PARTS_TIMEOUT, GPU_CHECK_TESTS_TIMEOUT and GPU_CHECK_RUN_TIMEOUT
+# (seconds, default none) bound each step on a leased machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -35,12 +38,34 @@ for name in ("transformers", "safetensors", "pyarrow", "yaml", "fsspec", "megatr
         print(f"  {name}: missing ({type(err).__name__})")
 PY
 
-"$PY" -m bench.gpu_check --json "$OUT_DIR/gpu_check.json" "$@" 2>&1 | tee "$OUT_DIR/gpu_check.log"
+bounded() {  # bounded SECONDS CMD...: CMD, killed after SECONDS when SECONDS is set
+  if [ -n "$1" ]; then timeout -k 10 "$1" "${@:2}"; else "${@:2}"; fi
+}
+
+bounded "${GPU_CHECK_PARTS_TIMEOUT:-}" "$PY" -m bench.gpu_check --json "$OUT_DIR/gpu_check.json" "$@" \
+  2>&1 | tee "$OUT_DIR/gpu_check.log"
 status=${PIPESTATUS[0]}
 
 if [ "${GPU_CHECK_TESTS:-1}" = 1 ]; then
-  "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rs 2>&1 | tee "$OUT_DIR/gpu_tests.log"
+  bounded "${GPU_CHECK_TESTS_TIMEOUT:-}" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rs \
+    2>&1 | tee "$OUT_DIR/gpu_tests.log"
   tests=${PIPESTATUS[0]}
   [ "$tests" = 0 ] || [ "$tests" = 5 ] || status=1  # 5: nothing collected
 fi
+
+# Whole runs as a user starts them (without Flyte, which the GPU image lacks), each in a fresh
+# directory holding only the datasets, so nothing of an earlier run is resumed or reused.
+for cfg in ${GPU_CHECK_RUNS-configs/cpu-default.yaml}; do
+  name=$(basename "$cfg" .yaml)
+  work=$(mktemp -d)
+  cp -r datasets "$work/"
+  path=$(realpath "$cfg")
+  start=$EPOCHREALTIME
+  (cd "$work" && bounded "${GPU_CHECK_RUN_TIMEOUT:-}" "$PY" -m relax_core.entrypoints.run \
+    --cfg "$path") 2>&1 | tee "$OUT_DIR/run_$name.log"
+  rc=${PIPESTATUS[0]}
+  wall=$(awk "BEGIN { printf \"%.1f\", $EPOCHREALTIME - $start }")
+  echo "run $cfg: exit $rc, $wall s wall" | tee -a "$OUT_DIR/run_$name.log"
+  [ "$rc" = 0 ] || status=1
+done
 exit "$status"
