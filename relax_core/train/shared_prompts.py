@@ -34,10 +34,11 @@ def shared_prompt_hidden(model: PreTrainedModel, mb: MicroBatch) -> torch.Tensor
     assert sp is not None
     decoder = model.get_decoder()
     cache = DynamicCache()
+    ids, mask = _bucketed_prompts(sp.ids, sp.mask)
     prompt = decoder(
-        input_ids=sp.ids,
-        attention_mask=sp.mask,
-        position_ids=(sp.mask.cumsum(-1) - 1).clamp(min=0),
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
         past_key_values=cache,
         use_cache=True,
     ).last_hidden_state
@@ -63,6 +64,19 @@ def shared_prompt_hidden(model: PreTrainedModel, mb: MicroBatch) -> torch.Tensor
         use_cache=True,
     ).last_hidden_state
     return torch.cat([first.unsqueeze(1), rest], dim=1)
+
+
+def _bucketed_prompts(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """On a CPU, the distinct prompts [P, L] with the last one repeated up to
+    `bucket_length(P)` rows: P x L is the prompt pass's matrix dimension, and P varies from step
+    to step once groups without signal stay out of training (train/inert.py), each new one a
+    oneDNN compile. No row continues a repeat, so it adds nothing to any gradient."""
+    n = ids.shape[0]
+    if ids.device.type != "cpu" or bucket_length(n) == n:
+        return ids, mask
+    repeat = torch.full((bucket_length(n) - n,), n - 1, dtype=torch.long, device=ids.device)
+    every = torch.cat([torch.arange(n, device=ids.device), repeat])
+    return ids.index_select(0, every), mask.index_select(0, every)
 
 
 def _packs(decoder: torch.nn.Module, cache: DynamicCache) -> bool:
@@ -105,7 +119,7 @@ def _packed_responses(
         n,
         mask,
     )
-    extra = torch.zeros(_bucket(n) - n, dtype=torch.long, device=index.device)
+    extra = torch.zeros(bucket_length(n) - n, dtype=torch.long, device=index.device)
     ids = mb.response_ids[:, :-1].reshape(-1).index_select(0, index)
     rest = decoder(
         input_ids=torch.cat([ids, extra]).unsqueeze(0),  # token 0 after the real ones
@@ -125,11 +139,11 @@ def _packed_responses(
     return out.view(rows, width, -1)
 
 
-def _bucket(n: int) -> int:
-    """`n` rounded up to 8 steps an octave (at most 1/8 more): the packed row's length is a
-    matrix dimension of every linear layer, and oneDNN compiles a kernel for each new one
-    (docs/operations.md): on the CPU default 8-10 compiles a step with exact lengths, 1-2 with
-    these."""
+def bucket_length(n: int) -> int:
+    """`n` rounded up to 8 steps an octave (at most 1/8 more): the packed row's length, and the
+    LM head's token count (torch_backend), are a matrix dimension of a linear layer, and oneDNN
+    compiles a bf16 kernel for each new one (docs/operations.md): on the CPU default 8-10
+    compiles a step with exact lengths, 1-2 with these."""
     step = 1 << max(0, n.bit_length() - 4)
     return -(-n // step) * step
 
