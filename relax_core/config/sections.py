@@ -308,6 +308,10 @@ class TrainConfig:
     one clipped optimizer update against the log-probs the batch was generated with."""
     micro_batch_tokens: int = 16384
     """Token budget of one forward/backward micro-batch (gradients accumulate across them)."""
+    skip_inert_groups: bool = True
+    """Leave groups whose every advantage is 0 (equal rewards) out of the training forward and
+    backward: with algorithm.kl_coef and entropy_coef 0 they add nothing to the gradient, and the
+    loss keeps dividing by the whole batch (docs/algorithms.md#groups-without-signal)."""
     checkpoint_every: int = 25
     """Save a resumable checkpoint every N steps (and always at the end)."""
     keep_checkpoints: int = 2

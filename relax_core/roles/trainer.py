@@ -27,6 +27,7 @@ from relax_core.config import AlgorithmConfig
 from relax_core.train.backend import MicroBatchLoss, TrainBackend
 from relax_core.train.batch import MicroBatch
 from relax_core.train.batching import table_micro_batches
+from relax_core.train.inert import can_skip_inert, live_groups, loss_counts
 
 
 def loss_settings(algo: AlgorithmConfig, max_new_tokens: int) -> LossSettings:
@@ -168,11 +169,15 @@ def train_on_table(
     max_new_tokens: int = 1,
     resolver: Any = None,
     routing_replay: bool = False,
+    skip_inert: bool = False,
 ) -> dict[str, float]:
     """Train on one step batch: `minibatches` optimizer updates; returns averaged metrics.
 
     `train_version`: the policy version being trained (rows' staleness is measured from it).
     `routing_replay`: the forwards route each token to the experts its row recorded.
+    `skip_inert` (train.skip_inert_groups): groups whose every advantage is 0 stay out of the
+    forward and backward when they add nothing to the gradient (train/inert.py); the loss still
+    divides by the whole batch's tokens and sequences, and `train/inert_groups` counts them.
     """
     share = getattr(backend, "share_step", None)
     if share is not None:  # a trainer over several GPUs: every rank trains on this batch
@@ -194,11 +199,15 @@ def train_on_table(
     recomputed = table.column("old_logprobs").null_count == 0
     if recomputed:
         extras.append("old_logprobs")
+    skip_inert = skip_inert and can_skip_inert(algo)
     sums: dict[str, float] = {}
     mismatch: dict[int, list[float]] = {}
-    n_micro, trained = 0, 0.0
+    n_micro, trained, inert = 0, 0.0, 0
     parts = _split_groups(table, minibatches)
-    for k, part in enumerate(parts):
+    for k, whole in enumerate(parts):
+        num_tokens, num_seqs = loss_counts(whole)
+        part, left_out = live_groups(whole) if skip_inert else (whole, 0)
+        inert += left_out
         versions = part.column("behaviour_version_min").to_pylist()
         computed = {"staleness": _per_token(part, [float(train_version - b) for b in versions])}
         if not recomputed and algo.proximal == "interpolate":
@@ -209,8 +218,6 @@ def train_on_table(
                 part, pad_token_id, token_budget, tuple(extras), computed, resolver, routing_replay
             )
         ]
-        num_tokens = float(sum(mb.loss_mask.sum() for mb in mbs))
-        num_seqs = float(sum((mb.loss_mask.sum(-1) > 0).sum() for mb in mbs))
         loss_fn = _loss_fn(algo, settings, num_tokens, num_seqs, mismatch)
         metrics = backend.train_step(mbs, loss_fn)
         for key, value in metrics.items():
@@ -220,6 +227,7 @@ def train_on_table(
     out.update(mismatch_metrics(mismatch))
     out["train/micro_batches"] = float(n_micro)
     out["train/trained_tokens"] = trained
+    out["train/inert_groups"] = float(inert)
     out["train/behaviour_version_min"] = float(
         min(table.column("behaviour_version_min").to_pylist())
     )

@@ -34,6 +34,7 @@ def follow_rank0(cfg: RunConfig, checkpoint: str) -> None:
             max_new_tokens=step["max_new_tokens"],
             resolver=resolver,
             routing_replay=step["routing_replay"],
+            skip_inert=cfg.train.skip_inert_groups,
         )
 
     follow(backend, Channel(), train)

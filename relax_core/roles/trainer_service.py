@@ -304,6 +304,7 @@ class AsyncTrainer:
             max_new_tokens=response_budget(cfg),
             resolver=self.media,
             routing_replay=cfg.train.routing_replay,
+            skip_inert=cfg.train.skip_inert_groups,
         )
         t2 = time.perf_counter()
         if self.threads_used:

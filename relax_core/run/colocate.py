@@ -159,6 +159,7 @@ class ColocateController:
                 max_new_tokens=response_budget(cfg),
                 resolver=s.media,
                 routing_replay=cfg.train.routing_replay,
+                skip_inert=cfg.train.skip_inert_groups,
             )
         )
         t5 = time.perf_counter()
