@@ -8,7 +8,8 @@ start's initial weights, batches and masked token-mean loss; then per step the e
 order, each distinct prompt prefilled once, the engine's sampler, finished rows leaving the
 decode batch once they are a quarter of it, token-budget micro-batches (longest rows first)
 whose distinct prompts run once in the training forward (the responses on top packed, without
-padding, under `model.matmul_dtype`), the LM head on real tokens only,
+padding, under `model.matmul_dtype`), groups whose advantages are all 0 left out of the training
+forward (train.skip_inert_groups), the LM head on real tokens only,
 group-normalized advantages, PPO clip, token-mean loss, AdamW (0.9, 0.99), grad clip.
 `bench/overhead.py --check` compares the steps and lists what the engine does besides.
 
@@ -58,8 +59,13 @@ def adamw(model, lr: float) -> torch.optim.AdamW:
 
 def response_logp(model, hidden, tokens, real, temperature: float) -> torch.Tensor:
     """[B, R] log-probs of `tokens` from the hidden states predicting them; as the engine's
-    trainer, the LM head sees real tokens only (`real` [B, R] bool) and padding reads 0."""
-    logits = model.lm_head(hidden[real]).float()
+    trainer, the LM head sees real tokens only (`real` [B, R] bool), their count padded with
+    zero rows to 8 lengths an octave (one oneDNN kernel per length), and padding reads 0."""
+    x = hidden[real]
+    n = x.shape[0]
+    step = 1 << max(0, n.bit_length() - 4)
+    x = torch.cat([x, x.new_zeros(-(-n // step) * step - n, x.shape[1])])
+    logits = model.lm_head(x)[:n].float()
     logits = logits / temperature if temperature != 1.0 else logits
     logp = torch.log_softmax(logits, -1).gather(-1, tokens[real].unsqueeze(-1)).squeeze(-1)
     return torch.zeros(tokens.shape).masked_scatter(real, logp)
@@ -261,7 +267,14 @@ class BareGRPO:
     def train(self, prompts, tokens, lengths, adv) -> None:
         c, decoder = self.cfg, self.model.get_decoder()
         seq, micro = (prompts.shape[1] + lengths).tolist(), [[]]
-        for i in sorted(range(len(seq)), key=lambda i: -seq[i]):  # longest first, as the engine
+        rows = range(len(seq))
+        a = c.algorithm
+        if c.train.skip_inert_groups and a.kl_coef == 0 and a.entropy_coef == 0:
+            # As the engine: groups whose advantages are all 0 stay out (the first when all are).
+            live = adv.view(-1, c.rollout.n_samples_per_prompt).ne(0).any(1)
+            live[0] |= not bool(live.any())
+            rows = [i for i in rows if live[i // c.rollout.n_samples_per_prompt]]
+        for i in sorted(rows, key=lambda i: -seq[i]):  # longest first, as the engine
             if micro[-1] and seq[micro[-1][0]] * (len(micro[-1]) + 1) > c.train.micro_batch_tokens:
                 micro.append([])
             micro[-1].append(i)
@@ -275,7 +288,10 @@ class BareGRPO:
             row = torch.tensor([index.setdefault(g, len(index)) for g in groups])
             with self.compute():
                 cache = DynamicCache()
-                out = decoder(input_ids=prompts[list(index)], past_key_values=cache, use_cache=True)
+                distinct = list(index)  # repeated up to 8 counts an octave, as the engine
+                step = 1 << max(0, len(distinct).bit_length() - 4)
+                distinct += distinct[-1:] * (-(-len(distinct) // step) * step - len(distinct))
+                out = decoder(input_ids=prompts[distinct], past_key_values=cache, use_cache=True)
                 # index_select, not x[row]: its backward adds a prompt's rows in a fixed order.
                 hidden = out.last_hidden_state[:, -1].index_select(0, row)
                 if width > 1 and self.packed:
