@@ -101,3 +101,13 @@ def cpu_lacks_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     if "sse2" not in flags:
         return False  # not an x86 CPU's flags
     return not flags.intersection(BF16_FLAGS)
+
+
+def bucket_length(n: int) -> int:
+    """`n` rounded up to 8 steps an octave (at most 1/8 more). On a CPU, oneDNN compiles a bf16
+    kernel for each new matrix dimension (docs/operations.md), so the sizes that change from step
+    to step are rounded to these: the trainer's packed response row (8-10 compiles a step on the
+    CPU default with exact lengths, 1-2 with these), its LM head's token count and prompt count
+    (train/), and the torch engine's decode batch (rollout/torch_engine.py)."""
+    step = 1 << max(0, n.bit_length() - 4)
+    return -(-n // step) * step

@@ -31,6 +31,7 @@ from contextlib import nullcontext
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from relax_core.models.precision import bucket_length
 from relax_core.models.routing_replay import routing_of
 from relax_core.multimodal.protocol import MultimodalDecoder
 from relax_core.rollout.engine import Completion, SamplingParams
@@ -147,8 +148,10 @@ class TorchEngine:
             prefill = False
             # Sampled where the logits are, from uniforms of the engine's own CPU generator
             # (its state is checkpointed); only the tokens and their log-probs come back.
+            # Slots past len(rows) are padding (see the compaction below): never sampled, so the
+            # generator's draws are those of the live rows alone.
             tok, lp = sample_tokens(
-                logits, params.temperature, params.top_p, params.greedy, self.generator
+                logits[: len(rows)], params.temperature, params.top_p, params.greedy, self.generator
             )
             tok, lp = tok.cpu(), lp.cpu()
             live = ~done[rows]
@@ -160,15 +163,23 @@ class TorchEngine:
             done[newly_done] = True
             if bool(done.all()):
                 break
-            step_ids = tok.unsqueeze(-1)
+            slots = mask.shape[0]  # decode slots: the live rows, then any padding
+            step_ids = torch.cat([tok, tok[-1:].expand(slots - len(rows))]).unsqueeze(-1)
             step_pos = step_pos[..., -1:] + 1
-            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=-1)
+            mask = torch.cat([mask, torch.ones((slots, 1), dtype=torch.long)], dim=-1)
             finished = done[rows]
             if compact and int(finished.sum()) * 4 >= len(rows):
                 keep = (~finished).nonzero().squeeze(1)
+                # On a CPU the decode batch keeps a size of 8 an octave (models/precision.py),
+                # the last live row repeated: a new size is a new oneDNN kernel for every
+                # linear layer, 33-57 ms generations where the sizes were exact.
+                if device.type == "cpu":
+                    repeat = keep[-1:].expand(bucket_length(len(keep)) - len(keep))
+                    keep = torch.cat([keep, repeat])
                 cache.batch_select_indices(keep.to(device))
+                live_count = int((~finished).sum())
                 rows, step_ids, step_pos, mask = (
-                    rows[keep],
+                    rows[keep[:live_count]],
                     step_ids[keep],
                     step_pos[keep],
                     mask[keep],

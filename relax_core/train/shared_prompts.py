@@ -19,6 +19,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from relax_core.models.attention import FLOAT32_SDPA, PackedResponses
+from relax_core.models.precision import bucket_length
 from relax_core.train.batch import MicroBatch, SharedPrompts
 
 
@@ -137,15 +138,6 @@ def _packed_responses(
     hidden = torch.cat([first, rest])
     out = hidden.new_zeros(rows * width, hidden.shape[-1]).index_copy(0, slots, hidden)
     return out.view(rows, width, -1)
-
-
-def bucket_length(n: int) -> int:
-    """`n` rounded up to 8 steps an octave (at most 1/8 more): the packed row's length, and the
-    LM head's token count (torch_backend), are a matrix dimension of a linear layer, and oneDNN
-    compiles a bf16 kernel for each new one (docs/operations.md): on the CPU default 8-10
-    compiles a step with exact lengths, 1-2 with these."""
-    step = 1 << max(0, n.bit_length() - 4)
-    return -(-n // step) * step
 
 
 def _select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:

@@ -27,12 +27,13 @@ from transformers import PreTrainedModel
 
 from relax_core.config import TrainConfig
 from relax_core.models.lora import adapter_weights, base_state_dict, is_lora, save_adapter
+from relax_core.models.precision import bucket_length
 from relax_core.models.routing_replay import attach_routing_replay, routing_of
 from relax_core.multimodal.protocol import MultimodalDecoder
 from relax_core.train.backend import MASTER_WEIGHTS_FILE, MicroBatchLoss
 from relax_core.train.batch import MicroBatch
 from relax_core.train.master_weights import load_master_weights, save_master_weights
-from relax_core.train.shared_prompts import bucket_length, shared_prompt_hidden
+from relax_core.train.shared_prompts import shared_prompt_hidden
 
 OPTIMIZER_FILE = "optimizer.pt"
 

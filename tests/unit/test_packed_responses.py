@@ -12,6 +12,7 @@ import torch
 
 import relax_core.train.shared_prompts as shared_prompts
 from relax_core.config import ModelConfig, load_config, replace
+from relax_core.models.precision import bucket_length
 from relax_core.models.tiny import build_char_tokenizer, build_tiny_qwen3
 from relax_core.train.batch import make_micro_batch
 from relax_core.train.factory import make_backend
@@ -98,8 +99,8 @@ def test_the_packed_row_takes_a_few_lengths_only():
     """Its length is a matrix dimension of every linear layer, a compiled kernel each: a step's
     few hundred tokens round up to one of 8 lengths an octave, at most an eighth longer."""
     for n in range(1, 5000):
-        assert n <= shared_prompts.bucket_length(n) <= n + n // 8
-    assert {shared_prompts.bucket_length(n) for n in range(600, 700)} == {640, 704}
+        assert n <= bucket_length(n) <= n + n // 8
+    assert {bucket_length(n) for n in range(600, 700)} == {640, 704}
 
 
 def test_packed_gradients_repeat_bit_for_bit_on_two_threads(tok):

@@ -173,6 +173,32 @@ def test_rows_leaving_the_decode_batch_keep_every_logprob_right(tok):
         assert c.logprobs == pytest.approx(expected, abs=1e-4)
 
 
+def test_a_padded_decode_batch_samples_what_an_exact_one_does(tok, monkeypatch):
+    """On a CPU the shrunk decode batch is padded to 8 sizes an octave with a repeated row: the
+    padding is never sampled, so the same seed draws the same tokens with the same log-probs."""
+    from relax_core.rollout import torch_engine
+
+    model = build_tiny_qwen3(SMALL, len(tok), seed=3)
+    prompts = _ids(tok, ["1+2=", "12+34=", "99+99=", "7=", "5*5=", "100-1="] * 20)
+    params = SamplingParams(max_new_tokens=40, temperature=4.0)
+    sizes = []
+    real = torch_engine.bucket_length
+
+    def recorded(n: int) -> int:
+        sizes.append((n, real(n)))
+        return real(n)
+
+    monkeypatch.setattr(torch_engine, "bucket_length", recorded)
+    padded = TorchEngine(model, tok.eos_token_id, tok.pad_token_id, seed=4).generate(
+        prompts, params
+    )
+    assert any(n != b for n, b in sizes), sizes  # some shrunk batch was padded
+    monkeypatch.setattr(torch_engine, "bucket_length", lambda n: n)
+    exact = TorchEngine(model, tok.eos_token_id, tok.pad_token_id, seed=4).generate(prompts, params)
+    assert [c.response_ids for c in padded] == [c.response_ids for c in exact]
+    assert [c.logprobs for c in padded] == [c.logprobs for c in exact]
+
+
 def test_a_repeated_prompt_is_prefilled_once_and_generates_as_alone(engine, tok):
     prompts = _ids(tok, ["3+4=", "45+45=", "3+4=", "1=", "45+45=", "3+4="])
     params = SamplingParams(max_new_tokens=5, greedy=True)
