@@ -1,27 +1,27 @@
 """A bare GRPO loop in plain PyTorch + transformers: the CPU default without an engine.
 
-Its own supervised warm start (the config's warm_start steps, lr, batch and target), then GRPO
-as the config sets it, with held-out greedy accuracy every `--eval-every` steps; it stops at the
-first eval at >= step 0 + `--target`. Both do the engine's math in the engine's order of operations,
-so on one thread count a run gives the main job's weights and evals bit for bit: the warm
-start's initial weights, batches and masked token-mean loss; then per step the engine's prompt
-order, each distinct prompt prefilled once, the engine's sampler, finished rows leaving the
-decode batch once they are a quarter of it, token-budget micro-batches (longest rows first)
+Its own supervised warm start (the config's warm_start steps, lr, batch and target), then GRPO as
+the config sets it, with held-out greedy accuracy every `--eval-every` steps; it stops at the
+first eval at >= step 0 + `--target`. Both do the engine's math in the engine's order of
+operations, so on one thread count a run gives the main job's weights and evals bit for bit: the
+warm start's initial weights, batches and masked token-mean loss; then per step the engine's
+prompt order, each distinct prompt prefilled once, the engine's sampler, finished rows leaving
+the decode batch once they are a quarter of it, token-budget micro-batches (longest rows first)
 whose distinct prompts run once in the training forward (the responses on top packed, without
 padding, under `model.matmul_dtype`), groups whose advantages are all 0 left out of the training
-forward (train.skip_inert_groups), the LM head on real tokens only,
-group-normalized advantages, PPO clip, token-mean loss, AdamW (0.9, 0.99), grad clip.
-`bench/overhead.py --check` compares the steps and lists what the engine does besides.
+forward (train.skip_inert_groups), the LM head on real tokens only, group-normalized
+advantages, PPO clip, token-mean loss, AdamW (0.9, 0.99), grad clip. `bench/overhead.py --check`
+compares the steps and lists what the engine does besides.
 
 Reuses from relax_core only the config reader, the dataset reader, the character tokenizer, the
 tiny Qwen3 builder (the same initial weights for a seed), the config's reward function (the
-answer check), the process's kernel setting (train.deterministic) and, with `model.matmul_dtype`,
-the float32 attention the engine's policies use. Under that setting the warm start's training
-forward, sampling, training and evals run under autocast to the matmul dtype (the warm start's
-probe in float32, as the engine's): linear layers in bfloat16, the residual stream,
-norms and attention in float32, the numerics of the engine's trainer and, bit for bit, of its
-sampling copy (relax_core/models/precision.py). Prompts must share one length and the template
-be 'plain' (datasets/arithmetic).
+answer check), the process's kernel setting (train.deterministic), the sizes a CPU pass is
+rounded to (`bucket_length`) and, with `model.matmul_dtype`, the float32 attention the engine's
+policies use. Under that setting the warm start's training forward, sampling, training and
+evals run under autocast to the matmul dtype (the warm start's probe in float32, as the
+engine's): linear layers in bfloat16, the residual stream, norms and attention in float32, the
+numerics of the engine's trainer and, bit for bit, of its sampling copy
+(relax_core/models/precision.py). Prompts must share one length and the template be 'plain'.
 
     python bench/bare_grpo.py [--cfg configs/cpu-default.yaml] [--seed 0] [--target 0.30]
 
@@ -50,6 +50,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
+from relax_core.models.precision import bucket_length  # noqa: E402
 from relax_core.train.determinism import use_deterministic_kernels  # noqa: E402
 
 
@@ -61,11 +62,9 @@ def response_logp(model, hidden, tokens, real, temperature: float) -> torch.Tens
     """[B, R] log-probs of `tokens` from the hidden states predicting them; as the engine's
     trainer, the LM head sees real tokens only (`real` [B, R] bool), their count padded with
     zero rows to 8 lengths an octave (one oneDNN kernel per length), and padding reads 0."""
-    x = hidden[real]
-    n = x.shape[0]
-    step = 1 << max(0, n.bit_length() - 4)
-    x = torch.cat([x, x.new_zeros(-(-n // step) * step - n, x.shape[1])])
-    logits = model.lm_head(x)[:n].float()
+    x, n = hidden[real], int(real.sum())
+    logits = model.lm_head(torch.cat([x, x.new_zeros(bucket_length(n) - n, x.shape[1])]))[:n]
+    logits = logits.float()
     logits = logits / temperature if temperature != 1.0 else logits
     logp = torch.log_softmax(logits, -1).gather(-1, tokens[real].unsqueeze(-1)).squeeze(-1)
     return torch.zeros(tokens.shape).masked_scatter(real, logp)
@@ -101,8 +100,7 @@ def packed_responses(decoder, cache, row, resp, real, first) -> torch.Tensor:
     keys = [layer.keys for layer in cache.layers]
     values = [layer.values for layer in cache.layers]
     packed = PackedResponses(keys, values, row, index, w, n, mask)
-    step = 1 << max(0, n.bit_length() - 4)
-    extra = torch.zeros(-(-n // step) * step - n, dtype=torch.long)
+    extra = torch.zeros(bucket_length(n) - n, dtype=torch.long)
     positions = (prompt_len + torch.arange(w)).repeat(rows).index_select(0, index)
     ids = resp[:, :-1].reshape(-1).index_select(0, index)
     rest = decoder(
@@ -267,13 +265,11 @@ class BareGRPO:
     def train(self, prompts, tokens, lengths, adv) -> None:
         c, decoder = self.cfg, self.model.get_decoder()
         seq, micro = (prompts.shape[1] + lengths).tolist(), [[]]
-        rows = range(len(seq))
-        a = c.algorithm
+        rows, g, a = range(len(seq)), c.rollout.n_samples_per_prompt, c.algorithm
         if c.train.skip_inert_groups and a.kl_coef == 0 and a.entropy_coef == 0:
-            # As the engine: groups whose advantages are all 0 stay out (the first when all are).
-            live = adv.view(-1, c.rollout.n_samples_per_prompt).ne(0).any(1)
-            live[0] |= not bool(live.any())
-            rows = [i for i in rows if live[i // c.rollout.n_samples_per_prompt]]
+            live = adv.view(-1, g).ne(0).any(1).tolist()
+            live[0] = live[0] or not any(live)  # inert groups out, as the engine (one stays)
+            rows = [i for i in rows if live[i // g]]
         for i in sorted(rows, key=lambda i: -seq[i]):  # longest first, as the engine
             if micro[-1] and seq[micro[-1][0]] * (len(micro[-1]) + 1) > c.train.micro_batch_tokens:
                 micro.append([])
@@ -288,9 +284,8 @@ class BareGRPO:
             row = torch.tensor([index.setdefault(g, len(index)) for g in groups])
             with self.compute():
                 cache = DynamicCache()
-                distinct = list(index)  # repeated up to 8 counts an octave, as the engine
-                step = 1 << max(0, len(distinct).bit_length() - 4)
-                distinct += distinct[-1:] * (-(-len(distinct) // step) * step - len(distinct))
+                distinct = list(index)  # the last repeated up to a bucket, as the engine
+                distinct += distinct[-1:] * (bucket_length(len(distinct)) - len(distinct))
                 out = decoder(input_ids=prompts[distinct], past_key_values=cache, use_cache=True)
                 # index_select, not x[row]: its backward adds a prompt's rows in a fixed order.
                 hidden = out.last_hidden_state[:, -1].index_select(0, row)
@@ -377,18 +372,8 @@ def main() -> None:
     tok = build_char_tokenizer()
     model = build_tiny_qwen3(cfg.model, len(tok), seed)
     w = cfg.warm_start
-    warm_start(
-        model,
-        tok,
-        rows,
-        w.steps,
-        w.lr,
-        w.batch_size,
-        seed,
-        w.target_accuracy,
-        matmul_dtype(cfg),
-        w.target_per_length,
-    )
+    warm = (w.steps, w.lr, w.batch_size, seed, w.target_accuracy, matmul_dtype(cfg))
+    warm_start(model, tok, rows, *warm, w.target_per_length)
     loop = BareGRPO(model, tok, rows, cfg, seed, resolve_reward(cfg.reward.name))
     ids = torch.tensor(tok([r["prompt"] for r in held_out], add_special_tokens=False)["input_ids"])
     evals = [{"step": 0, "accuracy": loop.accuracy(ids, held_out), "time": time.time()}]

