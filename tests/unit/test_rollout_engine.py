@@ -188,13 +188,20 @@ def test_a_padded_decode_batch_samples_what_an_exact_one_does(tok, monkeypatch):
         sizes.append((n, real(n)))
         return real(n)
 
-    monkeypatch.setattr(torch_engine, "bucket_length", recorded)
-    padded = TorchEngine(model, tok.eos_token_id, tok.pad_token_id, seed=4).generate(
-        prompts, params
-    )
+    def run(seed: int, sizes_of):
+        monkeypatch.setattr(torch_engine, "bucket_length", sizes_of)
+        engine = TorchEngine(model, tok.eos_token_id, tok.pad_token_id, seed=seed)
+        return engine.generate(prompts, params)
+
+    # Which seeds shrink the batch to a size off the buckets depends on the CPU's kernels: take
+    # the first that does.
+    for seed in range(2, 12):
+        sizes.clear()
+        padded = run(seed, recorded)
+        if any(n != b for n, b in sizes):
+            break
     assert any(n != b for n, b in sizes), sizes  # some shrunk batch was padded
-    monkeypatch.setattr(torch_engine, "bucket_length", lambda n: n)
-    exact = TorchEngine(model, tok.eos_token_id, tok.pad_token_id, seed=4).generate(prompts, params)
+    exact = run(seed, lambda n: n)
     assert [c.response_ids for c in padded] == [c.response_ids for c in exact]
     assert [c.logprobs for c in padded] == [c.logprobs for c in exact]
 
