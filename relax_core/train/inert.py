@@ -38,12 +38,20 @@ def live_groups(table: pa.Table) -> tuple[pa.Table, int]:
     """`table` without its inert groups, in table order, and how many were left out. When every
     group is inert the first one stays: an optimizer step still happens on a zero gradient
     (AdamW's moments and weight decay move the weights), as it would on the whole batch."""
+    if table.column("advantages").null_count:
+        return table, 0  # the micro-batches refuse it, naming the column
     adv = Ragged.of_column(table.column("advantages"))
     mask = Ragged.of_column(table.column("loss_mask"))
-    if not np.array_equal(adv.offsets, mask.offsets):
-        raise ValueError("advantages and loss_mask differ in length on some row")
-    moving = (adv.values != 0) & (mask.values != 0)
-    row_of = np.repeat(np.arange(table.num_rows), np.diff(adv.offsets))
+    lengths = np.diff(adv.offsets)
+    if not np.array_equal(lengths, np.diff(mask.offsets)):
+        row = int(np.flatnonzero(lengths != np.diff(mask.offsets))[0])
+        uid = table.column("uid")[row].as_py()
+        raise ValueError(f"row {uid!r}: advantages and loss_mask differ in length")
+    # Each column's values from its own first offset: a sliced column's buffer starts earlier.
+    a = adv.values[adv.offsets[0] : adv.offsets[-1]]
+    m = mask.values[mask.offsets[0] : mask.offsets[-1]]
+    moving = (a != 0) & (m != 0)
+    row_of = np.repeat(np.arange(table.num_rows), lengths)
     row_live = np.zeros(table.num_rows, dtype=bool)
     row_live[row_of[moving]] = True
     groups = table.column("group_id").to_pylist()

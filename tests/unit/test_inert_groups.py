@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pyarrow as pa
 import pytest
 import torch
 
@@ -145,3 +146,41 @@ def test_every_policy_loss_gives_a_zero_advantage_row_no_gradient(loss, settings
     value.backward()
     assert torch.equal(logprobs.grad[:2], torch.zeros(2, 5))
     assert logprobs.grad[2:].abs().sum() > 0
+
+
+def test_a_sliced_batch_finds_the_same_live_groups(tok):
+    """A column sliced out of a bigger one indexes its buffer from an offset of its own: groups
+    are read per row, not from the buffer's start."""
+    _, table = _batch(tok, [[0, 0, 0, 0]] + REWARDS)
+    sliced = table.slice(4)  # drops the first, inert group; offsets no longer start at 0
+    assert sliced.column("advantages").chunk(0).offset > 0
+    kept, left_out = live_groups(sliced)
+    assert left_out == 2
+    assert sorted(set(kept.column("group_id").to_pylist())) == ["e0-p1", "e0-p3"]
+
+
+def test_rows_without_advantages_are_left_to_the_micro_batches_to_refuse(tok):
+    _, table = _batch(tok, REWARDS)
+    missing = table.set_column(
+        table.schema.get_field_index("advantages"),
+        "advantages",
+        pa.array([None] * table.num_rows, type=table.schema.field("advantages").type),
+    )
+    assert live_groups(missing) == (missing, 0)
+    with pytest.raises(ValueError, match="missing column 'advantages'"):
+        train_on_table(TorchBackend(build_tiny_qwen3(SMALL, len(tok), seed=0), lr=1e-3), missing,
+                       AlgorithmConfig(), 0, 4096, skip_inert=True)  # fmt: skip
+
+
+def test_advantages_of_another_length_than_the_mask_name_the_row(tok):
+    _, table = _batch(tok, REWARDS)
+    adv = table.column("advantages").to_pylist()
+    adv[5] = adv[5] + [0.0]
+    bad = table.set_column(
+        table.schema.get_field_index("advantages"),
+        "advantages",
+        pa.array(adv, type=table.schema.field("advantages").type),
+    )
+    uid = table.column("uid")[5].as_py()
+    with pytest.raises(ValueError, match=f"row '{uid}': advantages and loss_mask differ"):
+        live_groups(bad)
