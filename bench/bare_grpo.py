@@ -55,7 +55,10 @@ from relax_core.train.determinism import use_deterministic_kernels  # noqa: E402
 
 
 def adamw(model, lr: float) -> torch.optim.AdamW:
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+    # fused, as the engine's trainer on a CPU
+    return torch.optim.AdamW(
+        model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0, fused=True
+    )
 
 
 def response_logp(model, hidden, tokens, real, temperature: float) -> torch.Tensor:
