@@ -7,8 +7,8 @@ operations, so on one thread count a run gives the main job's weights and evals 
 warm start's initial weights, batches and masked token-mean loss; then per step the engine's
 prompt order, each distinct prompt prefilled once, the engine's sampler, finished rows leaving
 the decode batch once they are a quarter of it, token-budget micro-batches (longest rows first)
-whose distinct prompts run once in the training forward (the responses on top packed, without
-padding, under `model.matmul_dtype`), groups whose advantages are all 0 left out of the training
+whose distinct prompts run once in the training forward (under `model.matmul_dtype`, in one
+packed pass with the responses, without padding), groups whose advantages are all 0 left out of the training
 forward (train.skip_inert_groups), the LM head on real tokens only, group-normalized
 advantages, PPO clip, token-mean loss, AdamW (0.9, 0.99), grad clip. `bench/overhead.py --check`
 compares the steps and lists what the engine does besides.
@@ -85,37 +85,49 @@ def numerics(model, matmuls: torch.dtype | None):
     return lambda: torch.autocast("cpu", dtype=matmuls)
 
 
-def packed_responses(decoder, cache, row, resp, real, first) -> torch.Tensor:
+def one_pass(decoder, ids, row, resp, real) -> torch.Tensor:
     """[B, R, d] hidden states as the engine's trainer computes them under float32 attention:
-    the rows' real response inputs as one row, rounded up to 8 lengths an octave and laid out
-    padded after their prompt (all of one length here) inside attention only."""
-    from relax_core.models.attention import PackedResponses
+    the distinct prompts' tokens (all of one length here) and the rows' real response inputs as
+    one row, rounded up to 8 lengths an octave, laid out padded inside attention only."""
+    from relax_core.models.attention import PackedPrompts, PackedResponses
 
-    rows, width = resp.shape
-    w, prompt_len = width - 1, cache.layers[0].keys.shape[2]
-    inputs = real[:, 1:]
+    (count, plen), (rows, width) = ids.shape, resp.shape
+    w, m, inputs = width - 1, ids.numel(), real[:, 1:]
     index = inputs.reshape(-1).nonzero().squeeze(1)
-    n = index.numel()
-    causal = torch.ones(w, w, dtype=torch.bool).tril()
+    n, causal = index.numel(), torch.ones(plen + w, plen + w, dtype=torch.bool).tril()
+    seen = causal[:plen, :plen].expand(count, 1, -1, -1)
+    prompts = PackedPrompts(torch.arange(m), count, plen, seen)
     mask = torch.cat(
-        [torch.ones(rows, w, prompt_len, dtype=torch.bool), causal & inputs.unsqueeze(1)], 2
+        [torch.ones(rows, w, plen, dtype=torch.bool), causal[:w, :w] & inputs.unsqueeze(1)], 2
     ).unsqueeze(1)
-    keys = [layer.keys for layer in cache.layers]
-    values = [layer.values for layer in cache.layers]
-    packed = PackedResponses(keys, values, row, index, w, n, mask)
-    extra = torch.zeros(bucket_length(n) - n, dtype=torch.long)
-    positions = (prompt_len + torch.arange(w)).repeat(rows).index_select(0, index)
-    ids = resp[:, :-1].reshape(-1).index_select(0, index)
-    rest = decoder(
-        input_ids=torch.cat([ids, extra]).unsqueeze(0),
-        position_ids=torch.cat([positions, extra]).unsqueeze(0),
+    extra = torch.zeros(bucket_length(m + n) - m - n, dtype=torch.long)
+    positions = (plen + torch.arange(w)).repeat(rows).index_select(0, index)
+    hidden = decoder(
+        input_ids=torch.cat([ids.reshape(-1), resp[:, :-1].reshape(-1)[index], extra])[None],
+        position_ids=torch.cat([torch.arange(plen).repeat(count), positions, extra])[None],
+        attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool),  # prepared: none built
         use_cache=False,
-        packed=packed,
-    ).last_hidden_state[0, :n]
+        packed=PackedResponses(prompts, row, index, w, n, mask),
+    ).last_hidden_state[0]
+    first = hidden[plen - 1 : m : plen].index_select(0, row)
     slots = torch.cat([torch.arange(rows) * width, (index // w) * width + index % w + 1])
-    hidden = torch.cat([first, rest])
-    out = hidden.new_zeros(rows * width, hidden.shape[-1]).index_copy(0, slots, hidden)
-    return out.view(rows, width, -1)
+    out = hidden.new_zeros(rows * width, hidden.shape[-1])
+    return out.index_copy(0, slots, torch.cat([first, hidden[m : m + n]])).view(rows, width, -1)
+
+
+def two_passes(decoder, ids, row, resp) -> torch.Tensor:
+    """[B, R, d]: a prompt pass (the count bucketed, as the engine's), responses padded on top."""
+    cache, every = DynamicCache(), torch.arange(bucket_length(len(ids))).clamp(max=len(ids) - 1)
+    out = decoder(input_ids=ids[every], past_key_values=cache, use_cache=True)
+    # index_select, not x[row]: its backward adds a prompt's rows in a fixed order.
+    first = out.last_hidden_state[:, -1].index_select(0, row).unsqueeze(1)
+    if resp.shape[1] == 1:
+        return first
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(0, row)
+        layer.values = layer.values.index_select(0, row)
+    rest = decoder(input_ids=resp[:, :-1], past_key_values=cache, use_cache=True)
+    return torch.cat([first, rest.last_hidden_state], 1)
 
 
 def matmul_dtype(cfg) -> torch.dtype | None:
@@ -286,22 +298,10 @@ class BareGRPO:
             groups = (mb // c.rollout.n_samples_per_prompt).tolist()
             row = torch.tensor([index.setdefault(g, len(index)) for g in groups])
             with self.compute():
-                cache = DynamicCache()
-                distinct = list(index)  # the last repeated up to a bucket, as the engine
-                distinct += distinct[-1:] * (bucket_length(len(distinct)) - len(distinct))
-                out = decoder(input_ids=prompts[distinct], past_key_values=cache, use_cache=True)
-                # index_select, not x[row]: its backward adds a prompt's rows in a fixed order.
-                hidden = out.last_hidden_state[:, -1].index_select(0, row)
-                if width > 1 and self.packed:
-                    hidden = packed_responses(decoder, cache, row, resp, real, hidden)
-                elif width > 1:  # the responses on top of their prompt's keys and values
-                    for layer in cache.layers:
-                        layer.keys = layer.keys.index_select(0, row)
-                        layer.values = layer.values.index_select(0, row)
-                    rest = decoder(input_ids=resp[:, :-1], past_key_values=cache, use_cache=True)
-                    hidden = torch.cat([hidden.unsqueeze(1), rest.last_hidden_state], 1)
+                if width > 1 and self.packed:  # prompts and responses in one packed pass
+                    hidden = one_pass(decoder, prompts[list(index)], row, resp, real)
                 else:
-                    hidden = hidden.unsqueeze(1)
+                    hidden = two_passes(decoder, prompts[list(index)], row, resp)
                 logp = response_logp(self.model, hidden, resp, real, c.rollout.temperature)
             ratio = torch.exp(logp - logp.detach())  # on-policy: the old log-probs are these
             a, lo, hi = adv[mb, None], c.algorithm.eps_clip, c.algorithm.eps_clip_high

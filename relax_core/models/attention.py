@@ -18,9 +18,10 @@ sum over the copies), which torch's CPU kernels do not need. The same products i
 order: outputs and gradients equal the repeated heads' bit for bit (tests/unit/test_matmul_dtype.py),
 and a training step of the CPU default spends ~3 ms less in attention.
 
-It also reads a packed response pass (`packed=PackedResponses` among the attention arguments,
-train/shared_prompts.py): the layers around it ran the rows' real tokens as one row, and the
-attention lays them out padded after their prompt's keys and values, and back.
+It also reads a packed training forward (`packed=PackedResponses` among the attention
+arguments, train/shared_prompts.py): the layers around it ran the distinct prompts' and the rows'
+real tokens as one row, and the attention lays them out padded, each response after its
+prompt's keys and values, and back.
 """
 
 from __future__ import annotations
@@ -74,34 +75,76 @@ def sdpa_float32(
 
 
 @dataclass(frozen=True)
+class PackedPrompts:
+    """The distinct prompts of a shared-prompt micro-batch run at the head of the packed row,
+    in the same pass as the responses (train/shared_prompts.py): their real tokens packed, laid
+    out left-padded [G, P] inside attention only."""
+
+    index: torch.Tensor
+    """[M] each packed prompt token's place in the left-padded [G * P] layout, ascending."""
+    count: int
+    """G, the distinct prompts."""
+    width: int
+    """P, the longest prompt."""
+    mask: torch.Tensor
+    """[G, 1, P, P] bool: causal over the prompt's real tokens (a padding query sees itself)."""
+
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, H, M + ..., D] packed -> [G, H, P, D], zeros at padding."""
+        _, heads, _, dim = x.shape
+        flat = x[0, :, : self.index.numel()].transpose(0, 1)  # [M, H, D]
+        out = flat.new_zeros(self.count * self.width, heads, dim).index_copy(0, self.index, flat)
+        return out.view(self.count, self.width, heads, dim).transpose(1, 2)
+
+    def packed(self, out: torch.Tensor) -> torch.Tensor:
+        """[G, H, P, D] attention output -> [M, H, D] at the real tokens."""
+        count, heads, width, dim = out.shape
+        return out.transpose(1, 2).reshape(count * width, heads, dim).index_select(0, self.index)
+
+
+@dataclass(frozen=True)
 class PackedResponses:
-    """A response pass over shared prompts (train/shared_prompts.py) whose tokens run packed:
-    the B rows' real input tokens as one row of N, so that the linear layers, norms and MLPs
-    compute no padding. Attention alone lays them out padded, [B, W], after each row's prompt.
+    """A shared-prompt micro-batch's training forward as one packed row (train/shared_prompts.py):
+    the distinct prompts' real tokens, then the B rows' real response inputs (N), so that every
+    linear layer, norm and MLP runs once over real tokens only. Attention alone lays them out
+    padded: the prompts [G, P] (`prompts`), the responses [B, W] after their row's prompt.
     """
 
-    prompt_keys: list[torch.Tensor]
-    """Per layer, the distinct prompts' keys [G, H_kv, P, D] (left-padded prompts)."""
-    prompt_values: list[torch.Tensor]
+    prompts: PackedPrompts
     row: torch.Tensor
     """[B] the prompt each row continues."""
     index: torch.Tensor
-    """[N] each packed token's place in the padded [B * W] layout, ascending."""
+    """[N] each packed response token's place in the padded [B * W] layout, ascending."""
     width: int
     """W: the longest row's input tokens."""
     tokens: int
-    """N, the real tokens; the packed row may hold more after them (a shape oneDNN has seen),
-    whose attention output is zero."""
+    """N, the real response tokens; the packed row may hold more after them (a shape oneDNN has
+    seen), whose attention output is zero."""
     mask: torch.Tensor
     """[B, 1, W, P + W] bool: the prompt's real tokens and the row's inputs up to the query's."""
 
     def padded(self, x: torch.Tensor) -> torch.Tensor:
-        """[1, H, N, D] packed -> [B, H, W, D], zeros at padding (masked out by `mask`)."""
+        """[1, H, M + N + ..., D] packed -> [B, H, W, D] responses, zeros at padding."""
         _, heads, _, dim = x.shape
-        rows = self.row.shape[0]
-        flat = x[0, :, : self.tokens].transpose(0, 1)  # [N, H, D]
-        out = flat.new_zeros(rows * self.width, heads, dim).index_copy(0, self.index, flat)
-        return out.view(rows, self.width, heads, dim).transpose(1, 2)
+        start = self.prompts.index.numel()
+        flat = x[0, :, start : start + self.tokens].transpose(0, 1)  # [N, H, D]
+        out = flat.new_zeros(self.row.shape[0] * self.width, heads, dim)
+        out = out.index_copy(0, self.index, flat)
+        return out.view(self.row.shape[0], self.width, heads, dim).transpose(1, 2)
+
+
+def _attend(query, keys, values, mask, kwargs) -> torch.Tensor:
+    """Float32 SDPA of [R, H, Q, D] queries over [R, H_kv, K, D] keys and values."""
+    with torch.autocast(query.device.type, enabled=False):
+        return F.scaled_dot_product_attention(
+            query.float(),
+            keys.float(),
+            values.float(),
+            attn_mask=mask,
+            dropout_p=kwargs.get("dropout", 0.0),
+            scale=kwargs.get("scaling"),
+            enable_gqa=query.shape[1] != keys.shape[1],
+        )
 
 
 def _packed_attention(
@@ -112,26 +155,19 @@ def _packed_attention(
     packed: PackedResponses,
     kwargs: dict,
 ) -> torch.Tensor:
-    """[1, L, H, D] for the packed row of L: float32 attention of its N real queries over their
-    row's prompt and inputs, as the padded pass computes it for each, and zeros after them."""
-    layer, dtype = module.layer_idx, query.dtype
-    keys = torch.cat([packed.prompt_keys[layer].index_select(0, packed.row), packed.padded(key)], 2)
-    values = [packed.prompt_values[layer].index_select(0, packed.row), packed.padded(value)]
-    query = packed.padded(query)
-    with torch.autocast(query.device.type, enabled=False):
-        out = F.scaled_dot_product_attention(
-            query.float(),
-            keys.float(),
-            torch.cat(values, 2).float(),
-            attn_mask=packed.mask,
-            dropout_p=kwargs.get("dropout", 0.0),
-            scale=kwargs.get("scaling"),
-            enable_gqa=query.shape[1] != keys.shape[1],
-        )
+    """[1, L, H, D] for the packed row of L: float32 attention of its prompt tokens over their
+    prompt and of its N response queries over their row's prompt and inputs, as padded passes
+    compute it for each, and zeros after them."""
+    p = packed.prompts
+    prompt_keys, prompt_values = p.padded(key), p.padded(value)
+    prompts = p.packed(_attend(p.padded(query), prompt_keys, prompt_values, p.mask, kwargs))
+    keys = torch.cat([prompt_keys.index_select(0, packed.row), packed.padded(key)], 2)
+    values = torch.cat([prompt_values.index_select(0, packed.row), packed.padded(value)], 2)
+    out = _attend(packed.padded(query), keys, values, packed.mask, kwargs)
     rows, heads, width, dim = out.shape
     flat = out.transpose(1, 2).reshape(rows * width, heads, dim).index_select(0, packed.index)
-    extra = flat.new_zeros(key.shape[2] - packed.tokens, heads, dim)
-    return torch.cat([flat, extra]).unsqueeze(0).to(dtype)
+    extra = flat.new_zeros(key.shape[2] - prompts.shape[0] - packed.tokens, heads, dim)
+    return torch.cat([prompts, flat, extra]).unsqueeze(0).to(query.dtype)
 
 
 def _decode_step(

@@ -10,6 +10,13 @@ instead: the real input tokens as one row through every linear layer, norm and M
 attention lays them out padded after their prompt. Each real token sees the same keys and values
 under the same mask as in the padded pass, so the log-probs are the padded pass's bit for bit;
 gradients differ in rounding (the weight gradients sum the tokens in another grouping).
+
+With that attention the prompts run in the same packed row, ahead of the responses: one pass
+through every layer instead of a prompt pass and a response pass, whose small ops (norms,
+rotary, casts) cost as much as their matmuls at the CPU default's size (its training step's
+forward and backward 64 -> ~50 ms). The keys and values of a prompt's tokens are then computed
+in a longer matrix product than the prompt pass's, so log-probs equal the two passes' to
+rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from relax_core.models.attention import FLOAT32_SDPA, PackedResponses
+from relax_core.models.attention import FLOAT32_SDPA, PackedPrompts, PackedResponses
 from relax_core.models.precision import bucket_length
 from relax_core.train.batch import MicroBatch, SharedPrompts
 
@@ -34,6 +41,9 @@ def shared_prompt_hidden(model: PreTrainedModel, mb: MicroBatch) -> torch.Tensor
     sp = mb.shared
     assert sp is not None
     decoder = model.get_decoder()
+    width = mb.response_ids.shape[1]
+    if width > 1 and _packs(decoder):
+        return _one_pass(decoder, mb, sp)
     cache = DynamicCache()
     ids, mask = _bucketed_prompts(sp.ids, sp.mask)
     prompt = decoder(
@@ -49,11 +59,8 @@ def shared_prompt_hidden(model: PreTrainedModel, mb: MicroBatch) -> torch.Tensor
     # a varying order, so the same step gave different gradients run to run. index_select's
     # backward (index_add_) adds them in index order.
     first = prompt[:, -1].index_select(0, sp.row)  # left-padded: the last column is real
-    width = mb.response_ids.shape[1]
     if width == 1:
         return first.unsqueeze(1)
-    if _packs(decoder, cache):
-        return _packed_responses(decoder, mb, sp, cache, first)
     _select_rows(cache, sp.row)
     prompt_len = sp.mask.sum(-1)[sp.row]
     steps = torch.arange(width - 1, device=prompt_len.device)
@@ -80,63 +87,75 @@ def _bucketed_prompts(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tens
     return ids.index_select(0, every), mask.index_select(0, every)
 
 
-def _packs(decoder: torch.nn.Module, cache: DynamicCache) -> bool:
-    """Whether the response pass can run packed: float32 attention (the implementation that
-    reads the packing), every layer attending to everything before it (no sliding window,
-    whose mask the packing does not build), a cache of plain keys and values."""
+def _packs(decoder: torch.nn.Module) -> bool:
+    """Whether the forward can run packed: float32 attention (the implementation that reads the
+    packing), every layer attending to everything before it (no sliding window, whose mask the
+    packing does not build)."""
     config = decoder.config
-    return (
-        getattr(config, "_attn_implementation", None) == FLOAT32_SDPA
-        and all(t == "full_attention" for t in getattr(config, "layer_types", None) or ())
-        and all(type(layer) is DynamicLayer for layer in cache.layers)
+    return getattr(config, "_attn_implementation", None) == FLOAT32_SDPA and all(
+        t == "full_attention" for t in getattr(config, "layer_types", None) or ()
     )
 
 
-def _packed_responses(
-    decoder: torch.nn.Module,
-    mb: MicroBatch,
-    sp: SharedPrompts,
-    cache: DynamicCache,
-    first: torch.Tensor,
-) -> torch.Tensor:
-    """[B, R, d] as the padded pass gives it, the response inputs run as one packed row."""
+_NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+
+
+def _packed_prompts(sp: SharedPrompts) -> tuple[PackedPrompts, torch.Tensor, torch.Tensor]:
+    """The distinct prompts' layout in the packed row, their token ids and positions."""
+    count, width = sp.ids.shape
+    device = sp.ids.device
+    real = sp.mask > 0
+    index = real.reshape(-1).nonzero().squeeze(1)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    # A padding query sees itself only, so that no row of the mask is empty (NaN in SDPA).
+    seen = (causal & real.unsqueeze(1)) | torch.eye(width, dtype=torch.bool, device=device)
+    layout = PackedPrompts(index, count, width, seen.unsqueeze(1))
+    positions = (sp.mask.cumsum(-1) - 1).reshape(-1).index_select(0, index)
+    return layout, sp.ids.reshape(-1).index_select(0, index), positions
+
+
+def _one_pass(decoder: torch.nn.Module, mb: MicroBatch, sp: SharedPrompts) -> torch.Tensor:
+    """[B, R, d] as a prompt pass and a padded response pass give it, from one packed row: the
+    distinct prompts' real tokens, then the response inputs' real tokens, then zeros up to a
+    bucketed length."""
     rows, width = mb.response_ids.shape
+    device = sp.ids.device
+    prompts, prompt_ids, prompt_positions = _packed_prompts(sp)
     inputs = sp.response_mask[:, 1:] > 0  # [B, W]: input t predicts token t + 1, a real one
     w = width - 1
     index = inputs.reshape(-1).nonzero().squeeze(1)
-    prompt_len = sp.mask.sum(-1).index_select(0, sp.row)
-    positions = (prompt_len.unsqueeze(1) + torch.arange(w, device=index.device)).reshape(-1)
-    causal = torch.ones(w, w, dtype=torch.bool, device=index.device).tril()
+    prompt_len = sp.mask.sum(-1)
+    positions = prompt_len.index_select(0, sp.row).unsqueeze(1) + torch.arange(w, device=device)
+    causal = torch.ones(w, w, dtype=torch.bool, device=device).tril()
     prompt_mask = (sp.mask > 0).index_select(0, sp.row).unsqueeze(1).expand(-1, w, -1)
-    # A padded query sees its prompt too, so that no row of the mask is empty (NaN in SDPA).
     mask = torch.cat([prompt_mask, causal & inputs.unsqueeze(1)], dim=2).unsqueeze(1)
-    n = index.numel()
-    packed = PackedResponses(
-        [layer.keys for layer in cache.layers],
-        [layer.values for layer in cache.layers],
-        sp.row,
-        index,
-        w,
-        n,
-        mask,
-    )
-    extra = torch.zeros(bucket_length(n) - n, dtype=torch.long, device=index.device)
+    m, n = prompt_ids.numel(), index.numel()
+    packed = PackedResponses(prompts, sp.row, index, w, n, mask)
+    extra = torch.zeros(bucket_length(m + n) - m - n, dtype=torch.long, device=device)
     ids = mb.response_ids[:, :-1].reshape(-1).index_select(0, index)
-    rest = decoder(
-        input_ids=torch.cat([ids, extra]).unsqueeze(0),  # token 0 after the real ones
-        position_ids=torch.cat([positions.index_select(0, index), extra]).unsqueeze(0),
+    hidden = decoder(
+        input_ids=torch.cat([prompt_ids, ids, extra]).unsqueeze(0),
+        # The packing carries the masks. A 4D mask is taken as prepared (transformers'
+        # masking_utils), so none is built: from the packed row's positions transformers would
+        # build an [L, L] one that nothing reads (~3 ms a forward on the CPU default).
+        attention_mask=_NO_MASK,
+        position_ids=torch.cat(
+            [prompt_positions, positions.reshape(-1).index_select(0, index), extra]
+        ).unsqueeze(0),
         use_cache=False,
         packed=packed,
-    ).last_hidden_state[0, :n]  # [N, d]
+    ).last_hidden_state[0]
+    # Response token 0 is predicted by its prompt's last token (index_select: see above).
+    first = hidden.index_select(0, prompt_len.cumsum(0) - 1).index_select(0, sp.row)
     # Token 0 of row b goes to slot b * R, packed input (b, t) to slot b * R + t + 1.
     slots = torch.cat(
         [
-            torch.arange(rows, device=index.device) * width,
+            torch.arange(rows, device=device) * width,
             (index // w) * width + index % w + 1,
         ]
     )
-    hidden = torch.cat([first, rest])
-    out = hidden.new_zeros(rows * width, hidden.shape[-1]).index_copy(0, slots, hidden)
+    out = hidden.new_zeros(rows * width, hidden.shape[-1])
+    out = out.index_copy(0, slots, torch.cat([first, hidden[m : m + n]]))
     return out.view(rows, width, -1)
 
 

@@ -1,7 +1,9 @@
-"""The packed response pass (train/shared_prompts.py): under `model.matmul_dtype`'s float32
-attention a shared-prompt micro-batch runs its response tokens as one row without padding. It
-scores as the padded pass does bit for bit, trains to its gradients up to bf16 rounding,
-repeats bit for bit, and other attention implementations keep the padded pass."""
+"""The packed training forward (train/shared_prompts.py): under `model.matmul_dtype`'s float32
+attention a shared-prompt micro-batch runs its distinct prompts' and its responses' real tokens
+as one row, in one pass, without padding. It scores as a prompt pass and a padded response pass
+do, bit for bit; trains to their gradients (to float32 rounding in float32, to bf16 rounding of
+the weight gradients' products under autocast); repeats bit for bit; and other attention
+implementations keep the two padded passes."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 import relax_core.train.shared_prompts as shared_prompts
 from relax_core.config import ModelConfig, load_config, replace
+from relax_core.models.attention import use_float32_attention
 from relax_core.models.precision import bucket_length
 from relax_core.models.tiny import build_char_tokenizer, build_tiny_qwen3
 from relax_core.train.batch import make_micro_batch
@@ -77,14 +80,36 @@ def test_the_packed_pass_scores_as_the_padded_one_without_computing_padding(tok,
     padded = _train_pass(model, backend, mb, weights)
 
     assert torch.equal(packed[0], padded[0]) and torch.equal(packed[1], padded[1])
-    # The weight gradients sum the tokens in another grouping; under autocast each product's
-    # result is rounded to bf16, so a sum may land one bf16 step (2**-8 relative) apart.
+    # A weight gradient's product now sums the prompt and response tokens together, and under
+    # autocast each product's result is rounded to bf16: the two ways land up to a bf16 step or
+    # two of the tensor's largest entry apart (an entry where the two parts cancel can differ
+    # by more than its own size). Float32 throughout, they agree to float32 rounding (below).
     for a, b in zip(packed[2], padded[2], strict=True):
-        torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-6)
-    # Prompt pass: 3 distinct prompts of 5 columns. Response pass: 8 rows x 5 inputs padded,
-    # 2 + 0 + 1 + 5 + 0 + 1 + 0 + 4 = 13 real ones packed.
+        assert (a - b).abs().max() <= 2**-6 * b.abs().max()
+    # Two passes: 3 distinct prompts of 5 columns, then 8 rows x 5 inputs padded. One packed
+    # pass: the prompts' 4 + 5 + 4 real tokens and 2 + 0 + 1 + 5 + 0 + 1 + 0 + 4 = 13 inputs.
     assert padded[3] == [15, 40]
-    assert packed[3] == [15, 13]
+    assert packed[3] == [26]
+
+
+def test_in_float32_the_one_pass_trains_as_the_two_passes(tok, monkeypatch):
+    """With float32 attention on a float32 policy (no autocast rounding between), the packed
+    pass's gradients are the two passes' to float32 rounding: the same update, not a near one."""
+    mb = _batch(tok)
+    weights = torch.linspace(-1.0, 1.0, mb.loss_mask.numel()).view(mb.loss_mask.shape)
+    weights = weights * mb.loss_mask
+    runs = []
+    for packs in (True, False):
+        if not packs:
+            monkeypatch.setattr(shared_prompts, "_packs", lambda *_: False)
+        model, backend = _backend(tok, "")
+        use_float32_attention(model)
+        runs.append(_train_pass(model, backend, mb, weights))
+    (logp, _, grads, seen), (logp2, _, grads2, seen2) = runs
+    assert seen == [26] and seen2 == [15, 40]
+    torch.testing.assert_close(logp, logp2, rtol=0, atol=1e-6)
+    for a, b in zip(grads, grads2, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_a_float32_policy_keeps_the_padded_pass(tok):
@@ -126,7 +151,7 @@ def test_packed_gradients_repeat_bit_for_bit_on_two_threads(tok):
         runs = [_train_pass(model, backend, mb, weights) for _ in range(4)]
     finally:
         torch.set_num_threads(threads)
-    assert runs[0][3][1] < 256 * 4  # packed
+    assert len(runs[0][3]) == 1 and runs[0][3][0] < 32 * 6 + 256 * 4  # one packed pass
     for logp, _, grads, _ in runs[1:]:
         assert torch.equal(logp, runs[0][0])
         assert all(torch.equal(a, b) for a, b in zip(grads, runs[0][2], strict=True))
