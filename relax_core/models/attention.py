@@ -58,15 +58,7 @@ def sdpa_float32(
         if _decode_step(query, key, attention_mask, kwargs):
             return _decode_attention(query, key, value, attention_mask, kwargs.get("scaling")), None
         if _grouped_with_mask(module, query, key, attention_mask, kwargs):
-            out = F.scaled_dot_product_attention(
-                query.float(),
-                key.float(),
-                value.float(),
-                attn_mask=attention_mask,
-                dropout_p=kwargs.get("dropout", 0.0),
-                scale=kwargs.get("scaling"),
-                enable_gqa=True,
-            )
+            out = _attend(query, key, value, attention_mask, kwargs)  # one SDPA call, enable_gqa
             return out.transpose(1, 2).contiguous().to(dtype), None
         out, weights = sdpa_attention_forward(
             module, query.float(), key.float(), value.float(), attention_mask, **kwargs
