@@ -83,15 +83,7 @@ class PackedPrompts:
 
     def padded(self, x: torch.Tensor) -> torch.Tensor:
         """[1, H, M + ..., D] packed -> [G, H, P, D], zeros at padding."""
-        _, heads, _, dim = x.shape
-        flat = x[0, :, : self.index.numel()].transpose(0, 1)  # [M, H, D]
-        out = flat.new_zeros(self.count * self.width, heads, dim).index_copy(0, self.index, flat)
-        return out.view(self.count, self.width, heads, dim).transpose(1, 2)
-
-    def packed(self, out: torch.Tensor) -> torch.Tensor:
-        """[G, H, P, D] attention output -> [M, H, D] at the real tokens."""
-        count, heads, width, dim = out.shape
-        return out.transpose(1, 2).reshape(count * width, heads, dim).index_select(0, self.index)
+        return _padded(x, 0, self.index, self.count, self.width)
 
 
 @dataclass(frozen=True)
@@ -117,12 +109,23 @@ class PackedResponses:
 
     def padded(self, x: torch.Tensor) -> torch.Tensor:
         """[1, H, M + N + ..., D] packed -> [B, H, W, D] responses, zeros at padding."""
-        _, heads, _, dim = x.shape
         start = self.prompts.index.numel()
-        flat = x[0, :, start : start + self.tokens].transpose(0, 1)  # [N, H, D]
-        out = flat.new_zeros(self.row.shape[0] * self.width, heads, dim)
-        out = out.index_copy(0, self.index, flat)
-        return out.view(self.row.shape[0], self.width, heads, dim).transpose(1, 2)
+        return _padded(x, start, self.index, self.row.shape[0], self.width)
+
+
+def _padded(x: torch.Tensor, start: int, index: torch.Tensor, rows: int, width: int):
+    """The packed tokens x[0, :, start : start + len(index)] ([1, H, L, D]) laid out [rows, H,
+    width, D] at `index` of the [rows * width] layout, zeros elsewhere."""
+    _, heads, _, dim = x.shape
+    flat = x[0, :, start : start + index.numel()].transpose(0, 1)  # [n, H, D]
+    out = flat.new_zeros(rows * width, heads, dim).index_copy(0, index, flat)
+    return out.view(rows, width, heads, dim).transpose(1, 2)
+
+
+def _packed(out: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[rows, H, width, D] attention output -> [n, H, D] at `index` of the [rows * width] layout."""
+    rows, heads, width, dim = out.shape
+    return out.transpose(1, 2).reshape(rows * width, heads, dim).index_select(0, index)
 
 
 def _attend(query, keys, values, mask, kwargs) -> torch.Tensor:
@@ -152,13 +155,11 @@ def _packed_attention(
     compute it for each, and zeros after them."""
     p = packed.prompts
     prompt_keys, prompt_values = p.padded(key), p.padded(value)
-    prompts = p.packed(_attend(p.padded(query), prompt_keys, prompt_values, p.mask, kwargs))
+    prompts = _packed(_attend(p.padded(query), prompt_keys, prompt_values, p.mask, kwargs), p.index)
     keys = torch.cat([prompt_keys.index_select(0, packed.row), packed.padded(key)], 2)
     values = torch.cat([prompt_values.index_select(0, packed.row), packed.padded(value)], 2)
-    out = _attend(packed.padded(query), keys, values, packed.mask, kwargs)
-    rows, heads, width, dim = out.shape
-    flat = out.transpose(1, 2).reshape(rows * width, heads, dim).index_select(0, packed.index)
-    extra = flat.new_zeros(key.shape[2] - prompts.shape[0] - packed.tokens, heads, dim)
+    flat = _packed(_attend(packed.padded(query), keys, values, packed.mask, kwargs), packed.index)
+    extra = flat.new_zeros(key.shape[2] - prompts.shape[0] - packed.tokens, *flat.shape[1:])
     return torch.cat([prompts, flat, extra]).unsqueeze(0).to(query.dtype)
 
 
