@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from flytekit import task
 
 from relax_core.config import RunConfig
-from tasks.flyte_types import register_run_config
+from tasks.flyte_types import register_cached_type, register_run_config
 from tasks.resources import registered
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -25,6 +25,9 @@ class EvalSummary:
     reward_mean: float
     mlflow_run_id: str
     training_mlflow_run_id: str
+
+
+register_cached_type(EvalSummary)
 
 
 @task(**registered("evaluate_checkpoint"), retries=1)

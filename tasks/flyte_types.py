@@ -1,23 +1,28 @@
-"""The run config's Flyte type, built once per process and kept on disk between processes.
+"""The Flyte types of the dataclasses in task interfaces, built once per process and kept on
+disk between processes.
 
 flytekit's dataclass transformer builds a dataclass's literal type (its fields' types and the
 JSON schema the Flyte console draws the input form from) again for every task and workflow
 interface that names it, and for every nested section inside it. For `RunConfig` that is a whole
 schema tree per interface (0.6-0.8 s each on 2 idle CPU cores), paid by every `pyflyte run` and
-every pod that loads the workflow module before its task starts. This transformer is flytekit's
-own, with the literal type of `RunConfig` kept after the first build: the same type, schema and
-values.
+every pod that loads the workflow module before its task starts; for the small summaries the
+tasks return (`RunSummary`, `EvalSummary`) the build is quick, but its first one imports
+mashumaro's JSON-schema builder (0.25-0.33 s). This transformer is flytekit's own, with the
+literal type of each registered dataclass kept after the first build: the same type, schema
+and values. When every dataclass of the loaded interfaces comes from the cache, the builder is
+never imported.
 
 Across processes the built type is kept in relax's cache directory (`$RELAX_CACHE_DIR`, else
 `$XDG_CACHE_HOME/relax`, else `~/.cache/relax`; under `flyte-types/`), under a key of
-everything that shapes it: the config modules' source and the flytekit, mashumaro and Python
-versions. A changed config is a new key, so it is built again; a cache that cannot be read or
-written only costs the build.
+everything that shapes it: the source of the config modules and of the module defining the type,
+and the flytekit, mashumaro and Python versions. A changed config or summary is a new key, so it
+is built again; a cache that cannot be read or written only costs the build.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import sys
 import tempfile
@@ -42,13 +47,17 @@ def cache_dir() -> Path:
 
 
 def type_key(t: type) -> str:
-    """What `t`'s literal type depends on: its config modules' source and the libraries that
-    build it (a digest)."""
+    """What `t`'s literal type depends on: the source of the config modules and of the module
+    defining `t`, and the libraries that build it (a digest)."""
     digest = hashlib.sha256()
-    for part in (t.__qualname__, sys.version, version("flytekit"), version("mashumaro")):
+    libraries = (sys.version, version("flytekit"), version("mashumaro"))
+    for part in (t.__module__, t.__qualname__, *libraries):
         digest.update(part.encode() + b"\0")
-    for path in sorted(Path(relax_core.config.__file__).parent.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    sources = set(Path(relax_core.config.__file__).parent.glob("*.py"))
+    sources.add(Path(inspect.getsourcefile(t)))
+    for path in sorted(sources):
+        name = f"{path.parent.name}/{path.name}"
+        digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     return f"{t.__qualname__}-{digest.hexdigest()[:24]}"
 
 
@@ -84,7 +93,11 @@ class OnceDataclassTransformer(DataclassTransformer):
     def __init__(self, disk_cached: tuple[type, ...] = (RunConfig,)) -> None:
         super().__init__()
         self._literal_types: dict[Any, LiteralType] = {}
-        self._disk_cached = disk_cached
+        self._disk_cached = set(disk_cached)
+
+    def keep_on_disk(self, t: type) -> None:
+        """Keep `t`'s literal type in the cache directory too."""
+        self._disk_cached.add(t)
 
     def get_literal_type(self, t: Any) -> LiteralType:
         found = self._literal_types.get(t)
@@ -105,5 +118,16 @@ class OnceDataclassTransformer(DataclassTransformer):
 
 def register_run_config() -> None:
     """Route `RunConfig` through OnceDataclassTransformer (a no-op when it already is)."""
-    if not isinstance(TypeEngine.get_transformer(RunConfig), OnceDataclassTransformer):
-        TypeEngine.register_additional_type(OnceDataclassTransformer(), RunConfig, override=True)
+    register_cached_type(RunConfig)
+
+
+def register_cached_type(t: type) -> None:
+    """Route the dataclass `t` through OnceDataclassTransformer, its literal type kept on disk (a
+    no-op when it already is). Call it before a task or workflow names `t` in its interface. The
+    disk key covers `t`'s own module and relax_core.config: a dataclass whose fields are
+    dataclasses from elsewhere does not belong here."""
+    found = TypeEngine.get_transformer(t)
+    if isinstance(found, OnceDataclassTransformer):
+        found.keep_on_disk(t)
+        return
+    TypeEngine.register_additional_type(OnceDataclassTransformer((t,)), t, override=True)

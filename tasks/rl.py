@@ -35,7 +35,7 @@ from relax_core.config import RunConfig, config_to_dict
 from relax_core.config.sections import StorageConfig
 from relax_core.run import prepare
 from relax_core.storage import parent, where
-from tasks.flyte_types import register_run_config
+from tasks.flyte_types import register_cached_type, register_run_config
 from tasks.resources import registered
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -51,6 +51,9 @@ class RunSummary:
     wall_time_s: float
     mlflow_run_id: str
     checkpoint: str
+
+
+register_cached_type(RunSummary)
 
 
 class Prepared(NamedTuple):
