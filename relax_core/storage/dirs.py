@@ -13,16 +13,25 @@ wrong with one whose files no longer match their marker (truncated, deleted, cha
 downloaded once into scratch under a key derived from its marker (so from the files' hashes),
 each file streamed to disk rather than held in memory. Two processes of one machine asking for
 the same copy share it.
+
+A writer killed outright (SIGKILL, the OOM killer, a node lost) cleans nothing up: its staging
+directory stays, as large as what it was writing (a checkpoint's weights and optimizer state).
+Each publish and copy therefore first removes the staging leftovers beside its own (`.tmp-*`
+next to a local target, `.publish-*` in scratch, `*.tmp-*` among the copies) that nothing has
+written for STALE_STAGING_S, logging each; a live writer's files are younger than that.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fnmatch
 import hashlib
 import json
+import logging
 import os
 import shutil
+import time
 import traceback
 import uuid
 from collections.abc import Callable
@@ -31,6 +40,62 @@ from typing import Any
 from relax_core.queue.store import ObjectStore
 from relax_core.storage.integrity import file_problem, manifest
 from relax_core.storage.locations import is_local, join, scratch_root, where
+
+log = logging.getLogger(__name__)
+
+STALE_STAGING_S = 6 * 3600.0
+"""How long a staging leftover goes unwritten before a publish or copy beside it removes it: a
+writer that lives keeps writing its files (each write moves their mtime), so only a dead one's
+go this long untouched."""
+
+
+def sweep_stale_staging(
+    directory: str, pattern: str, older_than_s: float = STALE_STAGING_S
+) -> list[str]:
+    """Remove the entries of `directory` whose names match `pattern` (fnmatch) and in which
+    nothing was written for `older_than_s`: what killed writers left. Returns their paths.
+    Best effort: an entry another process removes meanwhile, or one that cannot be removed, is
+    passed over."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    cutoff, removed = time.time() - older_than_s, []
+    for name in names:
+        if not fnmatch.fnmatchcase(name, pattern):
+            continue
+        path = os.path.join(directory, name)
+        last = _last_written(path)
+        if last is None or last > cutoff:
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        if not os.path.lexists(path):
+            removed.append(path)
+            log.warning(
+                "removed %s: a staging leftover nothing wrote for %.1f h (a writer killed "
+                "before it could clean up)",
+                path,
+                (time.time() - last) / 3600,
+            )
+    return removed
+
+
+def _last_written(path: str) -> float | None:
+    """The newest mtime of `path` and everything under it; None when it is gone."""
+    try:
+        newest = os.lstat(path).st_mtime
+    except OSError:
+        return None
+    if os.path.isdir(path) and not os.path.islink(path):
+        for root, dirs, files in os.walk(path):
+            for name in dirs + files:
+                with contextlib.suppress(OSError):
+                    newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
+    return newest
 
 
 def _store(location: str, options: dict | None) -> ObjectStore:
@@ -79,7 +144,9 @@ def publish_dir(
     `location` (replacing what is there). Returns the location as handed to other tasks."""
     if is_local(location):
         return _publish_local(where(location), marker, build)
-    staging = os.path.join(scratch_root(scratch_dir), f".publish-{uuid.uuid4().hex}")
+    scratch = scratch_root(scratch_dir)
+    sweep_stale_staging(scratch, ".publish-*")
+    staging = os.path.join(scratch, f".publish-{uuid.uuid4().hex}")
     os.makedirs(staging)
     built = False
     try:
@@ -107,6 +174,7 @@ def publish_dir(
 def _publish_local(final: str, marker: str, build: Callable[[str], dict[str, Any]]) -> str:
     parent_dir = os.path.dirname(final)
     os.makedirs(parent_dir, exist_ok=True)
+    sweep_stale_staging(parent_dir, ".tmp-*")
     staging = os.path.join(parent_dir, f".tmp-{uuid.uuid4().hex}")
     os.makedirs(staging)
     try:
@@ -227,6 +295,7 @@ def local_copy(
     target = os.path.join(scratch_root(scratch_dir), "copies", key)
     if os.path.isfile(os.path.join(target, marker)):
         return target
+    sweep_stale_staging(os.path.dirname(target), "*.tmp-*")
     tmp = f"{target}.tmp-{uuid.uuid4().hex}"
     os.makedirs(tmp)
     try:
