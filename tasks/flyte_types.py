@@ -46,6 +46,11 @@ def cache_dir() -> Path:
     return Path(root) / "relax" / "flyte-types"
 
 
+def source_of(t: type) -> str | None:
+    """The source file defining `t` (None without one, as in a bytecode-only install)."""
+    return inspect.getsourcefile(t)
+
+
 def type_key(t: type) -> str:
     """What `t`'s literal type depends on: the source of the config modules and of the module
     defining `t`, and the libraries that build it (a digest)."""
@@ -54,7 +59,7 @@ def type_key(t: type) -> str:
     for part in (t.__module__, t.__qualname__, *libraries):
         digest.update(part.encode() + b"\0")
     sources = set(Path(relax_core.config.__file__).parent.glob("*.py"))
-    sources.add(Path(inspect.getsourcefile(t)))
+    sources.add(Path(source_of(t)))
     for path in sorted(sources):
         name = f"{path.parent.name}/{path.name}"
         digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
@@ -108,7 +113,10 @@ class OnceDataclassTransformer(DataclassTransformer):
     def _load_or_build(self, t: Any) -> LiteralType:
         if t not in self._disk_cached:
             return super().get_literal_type(t)
-        path = cache_dir() / f"{type_key(t)}.pb"
+        try:
+            path = cache_dir() / f"{type_key(t)}.pb"
+        except (OSError, TypeError):  # no source to key it on (a bytecode-only install)
+            return super().get_literal_type(t)
         found = read_cached(path)
         if found is None:
             found = super().get_literal_type(t)

@@ -118,3 +118,16 @@ def test_a_warm_cache_spares_a_process_mashumaros_schema_builder(tmp_path):
         for _ in range(2)
     ]
     assert runs == ["True", "False"]  # the first process builds and keeps them; the next reads
+
+
+def test_a_type_without_source_to_key_on_is_built_not_cached(tmp_path, monkeypatch):
+    """A bytecode-only install has no source file to key the cache on: the type is built, as
+    flytekit builds it, and nothing is written."""
+    import tasks.flyte_types as flyte_types
+    from tasks.rl import RunSummary
+
+    monkeypatch.setenv("RELAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(flyte_types, "source_of", lambda _: None)
+    built = OnceDataclassTransformer((RunSummary,)).get_literal_type(RunSummary)
+    assert built == DataclassTransformer().get_literal_type(RunSummary)
+    assert list(tmp_path.iterdir()) == []
