@@ -12,44 +12,31 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 import pytest
 import torch
 
-from relax_core.config import load_config, replace
-from relax_core.data.dataset import fingerprint
 from relax_core.queue import TransferQueue
 from relax_core.roles.service import RoleContext
 from relax_core.roles.trainer_service import AsyncTrainer
 from relax_core.run import lifecycle
-from relax_core.run.prepare import prepare_policy
 from relax_core.train.checkpoint import read_state
+from tests.integration.test_run_start import policy_of, run_config
 
 pytestmark = [pytest.mark.integration]
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEYS = ("eval/accuracy", "eval/reward_mean", "eval/response_length", "eval/size")
 
 
 def test_the_async_trainers_eval_equals_the_colocate_engines_on_the_same_weights(tmp_path):
-    cfg = load_config(os.path.join(REPO, "configs", "cpu-async.yaml"))
-    cfg = replace(
-        cfg,
+    cfg = run_config(
+        tmp_path,
+        "cpu-async.yaml",
+        eval_size=128,
         # A short warm start: a policy that answers some of the split right, so the two evals
         # have right and wrong answers, lengths and rewards to agree on.
         warm_start={"steps": 60, "target_accuracy": 0.0, "target_per_length": False},
-        data={
-            "train_path": os.path.join(REPO, cfg.data.train_path),
-            "eval_path": os.path.join(REPO, cfg.data.eval_path),
-            "eval_size": 128,
-        },
-        queue={"root": str(tmp_path / "queue")},
-        checkpoint={"dir": str(tmp_path / "ckpt"), "policy_cache_dir": str(tmp_path / "policies")},
-        storage={"root": str(tmp_path / "storage")},
-        tracking={"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "progress": False},
         services={"weight_sync": "object_store", "trainer_threads": 2},
     )
     assert cfg.model.matmul_dtype == "bfloat16"
-    spec = lifecycle.policy_spec_for(cfg, fingerprint(cfg.data.train_path))
-    policy = prepare_policy(spec, cfg.checkpoint.policy_cache_dir)
     # start_run scores step 0 with a colocate engine: the session's inference copy.
-    checkpoint = lifecycle.start_run(cfg, policy)
+    checkpoint = lifecycle.start_run(cfg, policy_of(cfg))
     state = read_state(checkpoint)
     colocate = state["eval_before"]
 

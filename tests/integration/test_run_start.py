@@ -21,21 +21,24 @@ from relax_core.train.checkpoint import read_state
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_config(tmp_path):
-    cfg = load_config(os.path.join(REPO, "configs", "cpu-default.yaml"))
-    return replace(
+def run_config(tmp_path, name: str = "cpu-default.yaml", eval_size: int = 32, **sections):
+    """configs/`name` with the repo's data, `eval_size` held-out rows, every place a run writes
+    under `tmp_path`, no warm start unless `sections` give one, and `sections` over it."""
+    cfg = load_config(os.path.join(REPO, "configs", name))
+    cfg = replace(
         cfg,
         warm_start={"steps": 0},
         data={
             "train_path": os.path.join(REPO, cfg.data.train_path),
             "eval_path": os.path.join(REPO, cfg.data.eval_path),
-            "eval_size": 32,
+            "eval_size": eval_size,
         },
         queue={"root": str(tmp_path / "queue")},
         checkpoint={"dir": str(tmp_path / "ckpt"), "policy_cache_dir": str(tmp_path / "policies")},
         storage={"root": str(tmp_path / "storage")},
         tracking={"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "progress": False},
     )
+    return replace(cfg, **sections) if sections else cfg
 
 
 def policy_of(cfg) -> str:
