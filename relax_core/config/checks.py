@@ -146,6 +146,15 @@ def _check_services(e: list[str], cfg: RunSections) -> None:
             f"services.max_rollout_workers: {s.max_rollout_workers} is below "
             f"services.rollout_workers ({s.rollout_workers}), the engines a run starts with"
         )
+    positive(e, "services.stall_timeout_s", s.stall_timeout_s, allow_zero=True)
+    # A role waiting out a storage outage is not hung; the outage ends it first, named.
+    floor = max(s.heartbeat_s, cfg.storage.outage_limit_s)
+    if s.stall_timeout_s > 0 and s.stall_timeout_s <= floor:
+        e.append(
+            f"services.stall_timeout_s: must exceed services.heartbeat_s ({s.heartbeat_s}) and "
+            f"storage.outage_limit_s ({cfg.storage.outage_limit_s}), got {s.stall_timeout_s} "
+            "(0 turns the stall watch off)"
+        )
     if s.heartbeat_timeout_s <= 2 * s.heartbeat_s:
         e.append(
             f"services.heartbeat_timeout_s: must exceed twice services.heartbeat_s "

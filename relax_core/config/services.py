@@ -114,6 +114,13 @@ class ServicesConfig:
     heartbeat_timeout_s: float = 120.0
     """Local supervisor: a service whose process has not touched its local liveness file for
     this long is silent (hung or stopped); it is killed and handled as a failure."""
+    stall_timeout_s: float = 3600.0
+    """A service whose main loop has not come round for this long (a step, an entry, a poll)
+    stops touching its liveness file, so the supervisor handles it as silent: a hang that
+    leaves the interpreter's lock free (a collective or a socket waiting on a dead peer, a lock
+    never released) would otherwise keep the liveness thread beating. Its threads' stacks go to
+    its log first. Counted from the loop's first round (start-up is start_timeout_s's); cover
+    the longest step, eval plus checkpoint write of the run; 0 turns it off."""
     max_role_restarts: int = 3
     """Local supervisor: restarts in place of one failed or silent service (the trainer resumes
     from its newest checkpoint) before the whole run is restarted from that checkpoint."""

@@ -9,6 +9,7 @@ when it fails; the supervisor (local) or Flyte (cluster) decides what happens ne
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import threading
@@ -72,7 +73,9 @@ class RoleContext:
         return f"{self.role}-{self.worker}"
 
     def stopped(self) -> bool:
-        """Whether `control/stop` exists (checked at most every poll interval)."""
+        """Whether `control/stop` exists (checked at most every poll interval). Every role's
+        main loop asks each round, which is what tells the stall watch it comes round."""
+        mark_progress()
         now = time.monotonic()
         if not self._stop_seen and now - self._stop_checked >= self.cfg.services.poll_s:
             self._stop_checked = now
@@ -100,24 +103,65 @@ class RoleContext:
         threading.Thread(target=loop, name=f"heartbeat-{self.name}", daemon=True).start()
 
 
-def beat_locally(name: str, every_s: float) -> threading.Event:
+_last_progress: float | None = None
+"""time.monotonic() of the main loop's last round (None before its first)."""
+
+
+def mark_progress() -> None:
+    """The role's main loop came round (a step, an entry, a poll): the stall watch of
+    `beat_locally` counts from here."""
+    global _last_progress
+    _last_progress = time.monotonic()
+
+
+def stalled_for(stall_s: float) -> float | None:
+    """Seconds since the main loop last came round, when that is over `stall_s` (> 0) and it
+    has come round before; else None."""
+    last = _last_progress
+    if not stall_s or last is None:
+        return None
+    idle = time.monotonic() - last
+    return idle if idle > stall_s else None
+
+
+def beat_locally(name: str, every_s: float, stall_s: float = 0.0) -> threading.Event:
     """Touch the local supervisor's liveness file (LIVENESS_ENV, when set) every `every_s` from
-    a daemon thread until the returned event is set."""
+    a daemon thread until the returned event is set. With `stall_s` (services.stall_timeout_s)
+    it stops touching while the main loop has not come round for that long (mark_progress),
+    after writing every thread's stack to stderr (the role's log), so the supervisor restarts a
+    role hung outside the interpreter's lock; it touches again if the loop comes round first."""
     done = threading.Event()
     path = os.environ.get(LIVENESS_ENV)
 
     def loop() -> None:
-        failing = False
+        failing = stalled = False
         while True:
-            try:
-                with open(path, "a"):
-                    pass
-                os.utime(path)
-                failing = False
-            except OSError as exc:  # said once; the supervisor sees the silence
-                if not failing:
-                    log.warning("%s: liveness file %s: %s", name, path, exc)
-                failing = True
+            idle = stalled_for(stall_s)
+            if idle is not None:
+                if not stalled:
+                    log.error(
+                        "%s: the main loop has not come round for %.0f s "
+                        "(services.stall_timeout_s %.0f): no more liveness, so the supervisor "
+                        "restarts this role; every thread's stack follows",
+                        name,
+                        idle,
+                        stall_s,
+                    )
+                    faulthandler.dump_traceback(all_threads=True)
+                stalled = True
+            else:
+                if stalled:
+                    log.warning("%s: the main loop came round again; liveness resumes", name)
+                stalled = False
+                try:
+                    with open(path, "a"):
+                        pass
+                    os.utime(path)
+                    failing = False
+                except OSError as exc:  # said once; the supervisor sees the silence
+                    if not failing:
+                        log.warning("%s: liveness file %s: %s", name, path, exc)
+                    failing = True
             if done.wait(every_s):
                 return
 
@@ -143,7 +187,7 @@ def run_role(
 ) -> None:
     """Serve `role` in this process until the run stops (a Flyte task calls this directly)."""
     # Alive from here on, also while the checkpoint download waits out a storage outage.
-    alive = beat_locally(f"{role}-{worker}", cfg.services.heartbeat_s)
+    alive = beat_locally(f"{role}-{worker}", cfg.services.heartbeat_s, cfg.services.stall_timeout_s)
     try:
         set_outage_limit(cfg.storage.outage_limit_s)
         use_deterministic_kernels(cfg.train.deterministic)

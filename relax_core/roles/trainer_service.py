@@ -32,7 +32,7 @@ from relax_core.roles.episodes import response_budget
 from relax_core.roles.evaluation import accuracy_by_modality
 from relax_core.roles.publisher import WeightPublisher, overlaps
 from relax_core.roles.ready_pool import ReadyPool
-from relax_core.roles.service import RoleContext, set_threads
+from relax_core.roles.service import RoleContext, mark_progress, set_threads
 from relax_core.roles.trainer import train_on_table
 from relax_core.storage import join, local_cache, write_json
 from relax_core.train import checkpoint as ckpt
@@ -281,6 +281,7 @@ class AsyncTrainer:
             ctx.sleep()
 
     def step(self) -> dict[str, float]:
+        mark_progress()  # a busy trainer takes its batch without a poll round
         cfg, state = self.cfg, self.state
         a, r = cfg.algorithm, cfg.rollout
         v = state.policy_version

@@ -1,0 +1,134 @@
+"""A role whose main loop stops coming round stops touching its liveness file, so the local
+supervisor handles it as silent, even when the hang leaves the interpreter's lock free and the
+liveness thread could go on beating; the thread stacks go to the role's log first."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import pytest
+
+from relax_core.config import ConfigError, load_config, replace
+from relax_core.roles import service
+
+EVERY_S = 0.02
+STALL_S = 0.4
+DEADLINE_S = 20.0
+
+
+def _mtime(path) -> int:
+    return os.stat(path).st_mtime_ns
+
+
+def _until(condition, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {DEADLINE_S} s: {what}"
+        time.sleep(EVERY_S)
+
+
+def _touched_again(path) -> bool:
+    before = _mtime(path)
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        time.sleep(5 * EVERY_S)
+        if _mtime(path) != before:
+            return True
+    return False
+
+
+def _touched_again_within(path, seconds: float) -> bool:
+    before = _mtime(path)
+    time.sleep(seconds)
+    return _mtime(path) != before
+
+
+@pytest.fixture
+def liveness(tmp_path, monkeypatch):
+    path = tmp_path / "liveness"
+    monkeypatch.setenv(service.LIVENESS_ENV, str(path))
+    monkeypatch.setattr(service, "_last_progress", None)  # a process whose loop has not begun
+    return path
+
+
+def test_a_main_loop_hung_outside_the_lock_loses_its_liveness_until_it_comes_round(
+    liveness, caplog, capfd
+):
+    hung = threading.Event()
+
+    def main_loop() -> None:  # one round, then a wait that releases the lock, as a dead peer's
+        service.mark_progress()
+        hung.wait()
+
+    with caplog.at_level(logging.WARNING, logger="relax_core.roles.service"):
+        done = service.beat_locally("rollout-0", EVERY_S, STALL_S)
+        try:
+            # Before the loop's first round (start-up) only silence counts: it keeps beating.
+            _until(liveness.exists, "the first touch")
+            time.sleep(2 * STALL_S)
+            assert _touched_again(liveness)
+            loop = threading.Thread(target=main_loop, name="role-main-loop", daemon=True)
+            loop.start()
+            _until(lambda: "has not come round" in caplog.text, "the stall report")
+            assert not _touched_again_within(liveness, 10 * EVERY_S)
+            stacks = capfd.readouterr().err
+            assert "role-main-loop" in stacks or "main_loop" in stacks, stacks[-2000:]
+            # The loop comes round again before the supervisor acted: liveness resumes.
+            service.mark_progress()
+            assert _touched_again(liveness)
+            assert "came round again" in caplog.text
+        finally:
+            done.set()
+            hung.set()
+    stalls = [r for r in caplog.records if "has not come round" in r.getMessage()]
+    assert len(stalls) == 1 and stalls[0].levelno == logging.ERROR  # said once, not each beat
+    assert "rollout-0" in stalls[0].getMessage()
+
+
+def test_without_a_stall_timeout_a_quiet_loop_keeps_beating(liveness):
+    service.mark_progress()
+    done = service.beat_locally("trainer-0", EVERY_S, 0.0)
+    try:
+        _until(liveness.exists, "the first touch")
+        time.sleep(2 * STALL_S)
+        assert _touched_again(liveness)
+    finally:
+        done.set()
+
+
+def test_a_loop_that_comes_round_keeps_beating(liveness):
+    stop = threading.Event()
+
+    def busy_loop() -> None:
+        while not stop.is_set():
+            service.mark_progress()
+            time.sleep(STALL_S / 8)
+
+    loop = threading.Thread(target=busy_loop, daemon=True)
+    loop.start()
+    done = service.beat_locally("advantages-0", EVERY_S, STALL_S)
+    try:
+        _until(liveness.exists, "the first touch")
+        time.sleep(3 * STALL_S)
+        assert _touched_again(liveness)
+    finally:
+        done.set()
+        stop.set()
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (-1.0, "services.stall_timeout_s: must be >= 0"),
+        (300.0, "must exceed services.heartbeat_s (5.0) and storage.outage_limit_s (600.0)"),
+    ],
+)
+def test_a_stall_timeout_that_would_fire_inside_an_outage_is_refused(value, message):
+    cfg = load_config("configs/cpu-async.yaml")
+    with pytest.raises(ConfigError) as err:
+        replace(cfg, services={"stall_timeout_s": value})
+    assert message in str(err.value)
+    assert replace(cfg, services={"stall_timeout_s": 0.0}).services.stall_timeout_s == 0.0
