@@ -88,15 +88,20 @@ def test_a_main_loop_hung_outside_the_lock_loses_its_liveness_until_it_comes_rou
     assert "rollout-0" in stalls[0].getMessage()
 
 
-def test_without_a_stall_timeout_a_quiet_loop_keeps_beating(liveness):
-    service.mark_progress()
-    done = service.beat_locally("trainer-0", EVERY_S, 0.0)
+def _beats_on(liveness, name: str, stall_s: float, quiet_s: float) -> bool:
+    """Whether `name`'s liveness thread still touches the file after `quiet_s`."""
+    done = service.beat_locally(name, EVERY_S, stall_s)
     try:
         _until(liveness.exists, "the first touch")
-        time.sleep(2 * STALL_S)
-        assert _touched_again(liveness)
+        time.sleep(quiet_s)
+        return _touched_again(liveness)
     finally:
         done.set()
+
+
+def test_without_a_stall_timeout_a_quiet_loop_keeps_beating(liveness):
+    service.mark_progress()
+    assert _beats_on(liveness, "trainer-0", 0.0, 2 * STALL_S)
 
 
 def test_a_loop_that_comes_round_keeps_beating(liveness):
@@ -107,15 +112,10 @@ def test_a_loop_that_comes_round_keeps_beating(liveness):
             service.mark_progress()
             time.sleep(STALL_S / 8)
 
-    loop = threading.Thread(target=busy_loop, daemon=True)
-    loop.start()
-    done = service.beat_locally("advantages-0", EVERY_S, STALL_S)
+    threading.Thread(target=busy_loop, daemon=True).start()
     try:
-        _until(liveness.exists, "the first touch")
-        time.sleep(3 * STALL_S)
-        assert _touched_again(liveness)
+        assert _beats_on(liveness, "advantages-0", STALL_S, 3 * STALL_S)
     finally:
-        done.set()
         stop.set()
 
 
