@@ -98,11 +98,7 @@ class OnceDataclassTransformer(DataclassTransformer):
     def __init__(self, disk_cached: tuple[type, ...] = (RunConfig,)) -> None:
         super().__init__()
         self._literal_types: dict[Any, LiteralType] = {}
-        self._disk_cached = set(disk_cached)
-
-    def keep_on_disk(self, t: type) -> None:
-        """Keep `t`'s literal type in the cache directory too."""
-        self._disk_cached.add(t)
+        self._disk_cached = disk_cached
 
     def get_literal_type(self, t: Any) -> LiteralType:
         found = self._literal_types.get(t)
@@ -134,8 +130,5 @@ def register_cached_type(t: type) -> None:
     no-op when it already is). Call it before a task or workflow names `t` in its interface. The
     disk key covers `t`'s own module and relax_core.config: a dataclass whose fields are
     dataclasses from elsewhere does not belong here."""
-    found = TypeEngine.get_transformer(t)
-    if isinstance(found, OnceDataclassTransformer):
-        found.keep_on_disk(t)
-        return
-    TypeEngine.register_additional_type(OnceDataclassTransformer((t,)), t, override=True)
+    if not isinstance(TypeEngine.get_transformer(t), OnceDataclassTransformer):
+        TypeEngine.register_additional_type(OnceDataclassTransformer((t,)), t, override=True)
