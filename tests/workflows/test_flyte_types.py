@@ -96,7 +96,10 @@ def test_the_key_follows_the_source_of_the_module_defining_the_type(tmp_path, mo
     assert type_key(sys.modules["summary_mod"].S) == first  # stable in a process
     module.write_text(source + "    b: str = ''\n")
     del sys.modules["summary_mod"]
-    assert type_key(importlib.import_module("summary_mod").S) != first
+    try:
+        assert type_key(importlib.import_module("summary_mod").S) != first
+    finally:
+        sys.modules.pop("summary_mod", None)  # the temporary module leaves with its directory
 
 
 def test_a_warm_cache_spares_a_process_mashumaros_schema_builder(tmp_path):
