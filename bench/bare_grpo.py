@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-from relax_core.models.precision import bucket_length  # noqa: E402
+from relax_core.models.precision import bucket_length, resolve_matmul_dtype  # noqa: E402
 from relax_core.train.determinism import use_deterministic_kernels  # noqa: E402
 
 
@@ -131,7 +131,7 @@ def two_passes(decoder, ids, row, resp) -> torch.Tensor:
 
 
 def matmul_dtype(cfg) -> torch.dtype | None:
-    return getattr(torch, cfg.model.matmul_dtype) if cfg.model.matmul_dtype else None
+    return getattr(torch, n) if (n := resolve_matmul_dtype(cfg.model.matmul_dtype)) else None
 
 
 def warm_start(

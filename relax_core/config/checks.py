@@ -36,7 +36,7 @@ MODALITIES = {
 """The media kinds a policy of each model.kind reads."""
 TEMPLATES = ("plain", "chat")
 DTYPES = ("float32", "bfloat16")
-MATMUL_DTYPES = ("", "bfloat16")
+MATMUL_DTYPES = ("", "bfloat16", "auto")
 ENGINES = ("torch", "sglang")
 TINY_POSITIONS = 512
 """Positions of the tiny models (models/tiny.py): prompt + response must fit."""

@@ -38,8 +38,8 @@ class ModelConfig:
     dtype: str = "float32"
     """Parameter dtype for rollout and training."""
     matmul_dtype: str = ""
-    """'' (as dtype) or 'bfloat16' with dtype float32: the torch engine and trainer run their
-    linear layers in bf16, the rest in float32 (models/precision.py; ~2x faster on AVX512-BF16)."""
+    """'' (as dtype), 'bfloat16' with dtype float32 (linear layers in bf16, the rest in float32;
+    docs/gpus.md), or 'auto': 'bfloat16' where native (AVX512-BF16, AMX, a GPU), else ''."""
     image_size: int = 32
     """tiny-omni: images (and video frames) are resized to image_size x image_size pixels."""
     patch_size: int = 8

@@ -16,6 +16,8 @@ worse (held-out 0.68 against 0.93 after 5 GRPO steps, mean of 3 seeds, 2026-11-2
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.nn import functional as F
 
@@ -66,7 +68,9 @@ def linear_layers_in(model, dtype: torch.dtype):
 def computing_as_trainer(model, matmul_dtype: str):
     """`model` (a float32 inference copy: an engine's, a scorer's) computing as the trainer does
     under `model.matmul_dtype` (`linear_layers_in`); unchanged when it is '' (float32
-    throughout). Weight sync's layout is the float32 one: take it (`specs_of`) before this."""
+    throughout) or 'auto' on a machine without native bf16. Weight sync's layout is the float32
+    one: take it (`specs_of`) before this."""
+    matmul_dtype = resolve_matmul_dtype(matmul_dtype)
     if not matmul_dtype:
         return model
     return linear_layers_in(model, getattr(torch, matmul_dtype))
@@ -77,6 +81,7 @@ def trainer_autocast(device: torch.device | str, matmul_dtype: str):
     what a float32 trainer-held policy evaluates under to compute as the engines do."""
     import contextlib
 
+    matmul_dtype = resolve_matmul_dtype(matmul_dtype)
     if not matmul_dtype:
         return contextlib.nullcontext()
     device_type = device.type if isinstance(device, torch.device) else str(device)
@@ -86,21 +91,62 @@ def trainer_autocast(device: torch.device | str, matmul_dtype: str):
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 """x86 CPU flags under which torch's bf16 matmuls run natively (faster than float32)."""
 
+MATMUL_AUTO = "auto"
+"""`model.matmul_dtype: auto`: 'bfloat16' where this process computes bf16 natively (a CUDA GPU
+with bf16, an x86 CPU with one of `BF16_FLAGS`), '' (float32) elsewhere. Without native bf16,
+torch converts around every product: on an AVX2-only CPU a bf16 linear layer of the CPU
+default's sizes is 3-11x slower than a float32 one (docs/gpus.md)."""
+
+
+def _cpu_flags(cpuinfo: str) -> set[str] | None:
+    """The x86 flags Linux's `cpuinfo` lists; None where it lists none (another OS or
+    architecture)."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return None
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    flags = set(line.partition(":")[2].split())
+    return flags if "sse2" in flags else None
+
 
 def cpu_lacks_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """True on an x86 CPU whose flags (Linux's `cpuinfo`) name no native bf16 instructions,
     where bf16 matmuls are converted to float32 around each product and can be slower than
     float32 ones; False where they are native or it cannot tell (another OS or architecture)."""
-    try:
-        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-    except OSError:
-        return False
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    flags = set(line.partition(":")[2].split())
-    if "sse2" not in flags:
-        return False  # not an x86 CPU's flags
-    return not flags.intersection(BF16_FLAGS)
+    flags = _cpu_flags(cpuinfo)
+    return flags is not None and not flags.intersection(BF16_FLAGS)
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True only on an x86 CPU whose flags name native bf16 instructions (where it cannot tell,
+    False: float32 is never the slow choice)."""
+    flags = _cpu_flags(cpuinfo)
+    return flags is not None and bool(flags.intersection(BF16_FLAGS))
+
+
+@functools.lru_cache(maxsize=1)
+def native_bf16() -> bool:
+    """Whether this process computes bf16 natively: on its CUDA GPU when it has one (the roles
+    compute there), otherwise on its CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    return cpu_has_native_bf16()
+
+
+def resolve_matmul_dtype(value: str) -> str:
+    """`model.matmul_dtype` as this process computes it: 'auto' becomes 'bfloat16' or '' by
+    `native_bf16`; any other value is returned as it is."""
+    if value != MATMUL_AUTO:
+        return value
+    return "bfloat16" if native_bf16() else ""
+
+
+def matmul_tags(value: str) -> dict[str, str]:
+    """The MLflow tag naming what `model.matmul_dtype` computes in on this machine (none when
+    it is unset): a run of 'auto' says which it was."""
+    return {"relax.matmul_dtype": resolve_matmul_dtype(value) or "float32"} if value else {}
 
 
 def bucket_length(n: int) -> int:

@@ -29,7 +29,7 @@ from relax_core.run.session import RunSession, RunState
 from relax_core.storage import is_committed, join, parent, where, write_json
 from relax_core.tracking import format_summary
 from relax_core.tracking.monitor import Monitor
-from relax_core.tracking.runs import monitor_for, run_tags, tracking_uri_of
+from relax_core.tracking.runs import monitor_for, run_tags_of, tracking_uri_of
 from relax_core.train import checkpoint as ckpt
 from relax_core.train.determinism import use_deterministic_kernels
 from relax_core.train.loop import train_until
@@ -109,18 +109,27 @@ def preflight(cfg: RunConfig) -> None:
 
 def _warn_emulated_bf16(cfg: RunConfig) -> None:
     """A warning (not a refusal: the run works, slower) for bf16 matmuls on a CPU without
-    native bf16."""
+    native bf16; for 'auto', what this machine decided."""
     if not cfg.model.matmul_dtype:
         return
     import torch
 
-    from relax_core.models.precision import cpu_lacks_native_bf16
+    from relax_core.models.precision import (
+        MATMUL_AUTO,
+        cpu_lacks_native_bf16,
+        resolve_matmul_dtype,
+    )
 
-    if not torch.cuda.is_available() and cpu_lacks_native_bf16():
+    if cfg.model.matmul_dtype == MATMUL_AUTO:
+        log.info(
+            "model.matmul_dtype: auto computes in %s on this machine",
+            resolve_matmul_dtype(MATMUL_AUTO) or "float32",
+        )
+    elif not torch.cuda.is_available() and cpu_lacks_native_bf16():
         log.warning(
             "model.matmul_dtype: %s on a CPU without native bf16 (no avx512_bf16 or amx_bf16 "
-            "flag): its matmuls may run slower than float32 ones; delete the setting to run in "
-            "float32 (docs/gpus.md)",
+            "flag): its matmuls run 3-11x slower than float32 ones there; 'auto' computes in "
+            "float32 on such a CPU (docs/gpus.md)",
             cfg.model.matmul_dtype,
         )
 
@@ -215,7 +224,7 @@ def start_run(cfg: RunConfig, policy_dir: str) -> str:
 def _open_tracking(cfg: RunConfig, run_id: str) -> tuple[Monitor, str]:
     """A new run's monitor, started with the config as params; (monitor, MLflow run id)."""
     monitor = monitor_for(cfg, run_id)
-    return monitor, monitor.start(dataclasses.asdict(cfg), run_tags(run_id, cfg.mode))
+    return monitor, monitor.start(dataclasses.asdict(cfg), run_tags_of(cfg, run_id))
 
 
 def _end_failed(tracking: Future) -> None:
@@ -263,7 +272,7 @@ def finish_run(cfg: RunConfig, checkpoint: str) -> dict[str, Any]:
     finally:
         session.close()
     monitor = monitor_for(cfg, state.run_id, state.tracking_run_id)
-    monitor.start(dataclasses.asdict(cfg), run_tags(state.run_id, cfg.mode))
+    monitor.start(dataclasses.asdict(cfg), run_tags_of(cfg, state.run_id))
     monitor.log_metrics(after, step=state.policy_version)
     monitor.flush()
     local = ckpt.local_checkpoint(checkpoint, cfg.storage.options(), cfg.storage.scratch_dir)

@@ -66,8 +66,16 @@ class PolicySpec:
 
     @classmethod
     def of(cls, cfg: RunConfig, data_fingerprint: str = "", registry_uri: str = "") -> PolicySpec:
+        """The spec of `cfg`'s starting policy; `model.matmul_dtype: auto` decided here, so the
+        cache key and the warm start name what it computes in."""
+        from relax_core.models.precision import resolve_matmul_dtype
+
+        model = cfg.model
+        matmuls = resolve_matmul_dtype(model.matmul_dtype)
+        if matmuls != model.matmul_dtype:
+            model = dataclasses.replace(model, matmul_dtype=matmuls)
         return cls(
-            cfg.model, cfg.warm_start, cfg.data, cfg.seed, data_fingerprint, registry_uri, cfg.env
+            model, cfg.warm_start, cfg.data, cfg.seed, data_fingerprint, registry_uri, cfg.env
         )
 
     def to_json(self) -> str:
@@ -218,6 +226,7 @@ def _run_warm_start(cfg: PolicySpec, model, tokenizer) -> dict[str, object]:
 
     from relax_core.data.dataset import load_prompts
     from relax_core.data.templates import render_prompt
+    from relax_core.models.precision import resolve_matmul_dtype
     from relax_core.train.warm_start import answer_example, warm_start
 
     rows = load_prompts(cfg.data.train_path)
@@ -242,7 +251,7 @@ def _run_warm_start(cfg: PolicySpec, model, tokenizer) -> dict[str, object]:
         pairs = zip(rows, prompt_ids, strict=True)
         examples = [answer_example(tokenizer, ids, row["answer"]) for row, ids in pairs]
     w = cfg.warm_start
-    matmuls = cfg.model.matmul_dtype
+    matmuls = resolve_matmul_dtype(cfg.model.matmul_dtype)
     result = warm_start(
         model,
         tokenizer,

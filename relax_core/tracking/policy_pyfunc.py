@@ -31,12 +31,10 @@ class RelaxPolicy(PythonModel):
         self.system_prompt = config.get("system_prompt") or None
         self.max_new_tokens = int(config.get("max_new_tokens", 64))
         self.model, self.tokenizer = load_policy(context.artifacts["policy"])
-        if config.get("matmul_dtype"):
-            import torch
+        if config.get("matmul_dtype"):  # 'auto' is decided by the machine serving it
+            from relax_core.models.precision import computing_as_trainer
 
-            from relax_core.models.precision import linear_layers_in
-
-            linear_layers_in(self.model, getattr(torch, str(config["matmul_dtype"])))
+            self.model = computing_as_trainer(self.model, str(config["matmul_dtype"]))
         self.engine = TorchEngine(
             self.model.eval(), self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         )

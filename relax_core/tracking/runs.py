@@ -65,3 +65,13 @@ def run_tags(run_id: str, mode: str) -> dict[str, str]:
         if os.environ.get(variable):
             tags[tag] = os.environ[variable]
     return tags
+
+
+def run_tags_of(cfg, run_id: str) -> dict[str, str]:
+    """`run_tags` of a run of `cfg`, with what its `model.matmul_dtype` computes in here."""
+    tags = run_tags(run_id, cfg.mode)
+    if cfg.model.matmul_dtype:
+        from relax_core.models.precision import matmul_tags
+
+        tags.update(matmul_tags(cfg.model.matmul_dtype))
+    return tags

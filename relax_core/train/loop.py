@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from relax_core.config import RunConfig
 from relax_core.tracking.console import ProgressBar
-from relax_core.tracking.runs import monitor_for, run_tags
+from relax_core.tracking.runs import monitor_for, run_tags_of
 from relax_core.train import preemption
 from relax_core.train.checkpoint import step_dir_name
 from relax_core.train.run_state import RunState
@@ -33,7 +33,7 @@ def train_until(
     """Run `step` until `state.policy_version` reaches `target`; returns the newest checkpoint."""
     total = cfg.train.total_steps
     monitor = monitor_for(cfg, state.run_id, state.tracking_run_id)
-    monitor.start(dataclasses.asdict(cfg), run_tags(state.run_id, cfg.mode))
+    monitor.start(dataclasses.asdict(cfg), run_tags_of(cfg, state.run_id))
     bar = ProgressBar(total, state.policy_version, enabled=cfg.tracking.progress)
     try:
         with preemption.checkpoint_on_sigterm():

@@ -64,12 +64,12 @@ def test_async_config_checks_name_the_field():
 
 
 def test_cpu_async_config_is_cpu_default_in_async_mode():
-    """The same model, numerics (bf16 matmuls), data and warm start: both start from one cached
+    """The same model, numerics (bf16 matmuls where native), data and warm start: both start from one cached
     policy, and a run moves between the modes by its mode and staleness settings."""
     fast, slow = load_config("configs/cpu-async.yaml"), load_config("configs/cpu-default.yaml")
     assert fast.mode == "async" and fast.rollout.max_staleness == 1
     assert slow.mode == "colocate" and slow.rollout.max_staleness == 0
-    assert fast.model == slow.model and fast.model.matmul_dtype == "bfloat16"
+    assert fast.model == slow.model and fast.model.matmul_dtype == "auto"
     assert fast.data == slow.data and fast.rollout.temperature == slow.rollout.temperature
     assert fast.warm_start == slow.warm_start and fast.train.total_steps == slow.train.total_steps
 

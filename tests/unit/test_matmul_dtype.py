@@ -198,13 +198,15 @@ def test_grouped_query_attention_with_a_mask_matches_repeated_heads_bit_for_bit(
             "bf16 matmuls on float32 weights; with model.dtype 'bfloat16'",
         ),
         ({"model": {"kind": "tiny-omni"}}, "needs a text policy"),
-        ({"model": {"matmul_dtype": "float16"}}, "'float16' is not one of , bfloat16"),
+        ({"model": {"matmul_dtype": "float16"}}, "'float16' is not one of , bfloat16, auto"),
         ({"rollout": {"engine": "sglang"}}, "needs rollout.engine torch, train.backend torch"),
         ({"train": {"lora": {"rank": 8}}}, "needs rollout.engine torch, train.backend torch"),
     ],
 )
-def test_the_config_refuses_it_where_it_does_not_apply(sections, expected):
-    model = {"matmul_dtype": "bfloat16", **sections.get("model", {})}
+@pytest.mark.parametrize("value", ["bfloat16", "auto"])
+def test_the_config_refuses_it_where_it_does_not_apply(sections, expected, value):
+    """'auto' is refused where 'bfloat16' is: on the machines that pick bf16 it would not apply."""
+    model = {"matmul_dtype": value, **sections.get("model", {})}
     others = {k: v for k, v in sections.items() if k != "model"}
     with pytest.raises(ConfigError, match=re.escape(f"model.matmul_dtype: {expected}")):
         _cfg(model=model, **others)
@@ -220,11 +222,36 @@ def test_the_config_refuses_it_where_it_does_not_apply(sections, expected):
     ],
 )
 def test_a_cpu_without_native_bf16_is_recognised_by_its_flags(tmp_path, text, lacks):
-    from relax_core.models.precision import cpu_lacks_native_bf16
+    from relax_core.models.precision import cpu_has_native_bf16, cpu_lacks_native_bf16
 
     (tmp_path / "cpuinfo").write_text(text)
     assert cpu_lacks_native_bf16(str(tmp_path / "cpuinfo")) is lacks
     assert cpu_lacks_native_bf16(str(tmp_path / "absent")) is False
+    # 'auto' picks bf16 only where the flags say it is native: never where it cannot tell
+    native = "sse2" in text and not lacks
+    assert cpu_has_native_bf16(str(tmp_path / "cpuinfo")) is native
+    assert cpu_has_native_bf16(str(tmp_path / "absent")) is False
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_computes_in_bf16_only_where_it_is_native(monkeypatch, tok, native):
+    """'auto' is bfloat16 on a machine with native bf16 and float32 elsewhere, in every place
+    that reads the setting: the engine's copy, the trainer's autocast, the tracked tag."""
+    import relax_core.models.precision as precision
+    from relax_core.tracking.runs import run_tags_of
+
+    monkeypatch.setattr(precision, "native_bf16", lambda: native)
+    assert precision.resolve_matmul_dtype("auto") == ("bfloat16" if native else "")
+    assert precision.resolve_matmul_dtype("bfloat16") == "bfloat16"  # named: as asked
+    assert precision.resolve_matmul_dtype("") == ""
+    engine_model = precision.computing_as_trainer(build_tiny_qwen3(SMALL, len(tok), seed=0), "auto")
+    linears = [m for m in engine_model.modules() if isinstance(m, torch.nn.Linear)]
+    assert {m.weight.dtype for m in linears} == {torch.bfloat16 if native else torch.float32}
+    with precision.trainer_autocast("cpu", "auto"):
+        assert torch.is_autocast_enabled("cpu") is native
+    tags = run_tags_of(_cfg(model={"matmul_dtype": "auto"}), "r")
+    assert tags["relax.matmul_dtype"] == ("bfloat16" if native else "float32")
+    assert "relax.matmul_dtype" not in run_tags_of(_cfg(model={"matmul_dtype": ""}), "r")
 
 
 def test_preflight_warns_of_bf16_matmuls_on_a_cpu_without_native_bf16(monkeypatch, caplog):
@@ -240,4 +267,16 @@ def test_preflight_warns_of_bf16_matmuls_on_a_cpu_without_native_bf16(monkeypatc
         lifecycle._warn_emulated_bf16(_cfg(model={"matmul_dtype": ""}))  # float32: no warning
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "without native bf16" in warned[0]
-    assert "delete the setting" in warned[0]
+    assert "'auto' computes in float32 on such a CPU" in warned[0]
+
+
+def test_preflight_says_what_auto_decided(monkeypatch, caplog):
+    import relax_core.models.precision as precision
+    from relax_core.run import lifecycle
+
+    monkeypatch.setattr(precision, "native_bf16", lambda: False)
+    monkeypatch.setattr(precision, "cpu_lacks_native_bf16", lambda: True)
+    with caplog.at_level("INFO", logger=lifecycle.__name__):
+        lifecycle._warn_emulated_bf16(_cfg(model={"matmul_dtype": "auto"}))
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert said == [("INFO", "model.matmul_dtype: auto computes in float32 on this machine")]

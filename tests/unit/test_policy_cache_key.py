@@ -31,3 +31,18 @@ def test_matmul_dtype_shares_a_converted_policy_but_not_a_warm_started_one():
     assert _key(0, model={**smollm2, **bf16}, **warm) != _key(0, model=smollm2, **warm)
     assert _key(0, model=bf16, **warm) != _key(0, **warm)  # the tiny policy alike
     assert _key(0, model=bf16, **cold) == _key(0, **cold)
+
+
+def test_auto_is_keyed_as_what_it_decided(monkeypatch):
+    """A policy cache shared by machines with and without native bf16 keeps one warm start for
+    each (they train under other numerics), and a machine's 'auto' policy is the one it would
+    prepare for the dtype it decided."""
+    import relax_core.models.precision as precision
+
+    warm = {"warm_start": {"steps": 5}}
+    for native, decided in ((True, "bfloat16"), (False, "")):
+        monkeypatch.setattr(precision, "native_bf16", lambda native=native: native)
+        spec = PolicySpec.of(config_from_dict({"model": {"matmul_dtype": "auto"}, **warm}))
+        assert spec.model.matmul_dtype == decided
+        assert spec.key() == _key(0, model={"matmul_dtype": decided}, **warm)
+        assert PolicySpec.from_json(spec.to_json()) == spec
