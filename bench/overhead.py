@@ -108,16 +108,17 @@ def bare_side(cfg, policy: str):
     return BareGRPO(model, tok, rows, cfg, cfg.seed, resolve_reward(cfg.reward.name))
 
 
-def worker(side: str, steps: int, warmup: int, train: dict | None = None) -> None:
-    """Time `steps` steps of one side after `warmup` steps; print the result as JSON. `train`:
-    train settings over the config's (they do not change the starting policy)."""
+def worker(side: str, steps: int, warmup: int, **sections: dict) -> None:
+    """Time `steps` steps of one side after `warmup` steps; print the result as JSON.
+    `sections`: settings over the config's, applied after its starting policy is prepared (so
+    both sides of a bench start from the same weights)."""
     from relax_core.config import replace
 
     work = tempfile.mkdtemp(prefix="relax-overhead-")
     try:
         cfg = bench_config(work)
         policy = prepared_policy(cfg)
-        cfg = replace(cfg, train=train) if train else cfg
+        cfg = replace(cfg, **sections) if sections else cfg
         if side == "engine":
             step = engine_phases(engine_side(cfg, policy))
         else:
