@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-from relax_core.models.precision import bucket_length, resolve_matmul_dtype  # noqa: E402
+from relax_core.models.precision import auto_float32, bucket_length, resolve_matmul_dtype  # noqa: E402
 from relax_core.train.determinism import use_deterministic_kernels  # noqa: E402
 
 
@@ -73,16 +73,16 @@ def response_logp(model, hidden, tokens, real, temperature: float) -> torch.Tens
     return torch.zeros(tokens.shape).masked_scatter(real, logp)
 
 
-def numerics(model, matmuls: torch.dtype | None):
+def numerics(model, matmuls: torch.dtype | None, attention: bool = False):
     """The engine's numerics for `model` under `model.matmul_dtype` (`matmuls`, None for
-    float32): float32 attention set on the model, and a function giving the context a forward
-    runs in (autocast to `matmuls`, or nothing)."""
-    if matmuls is None:
+    float32): float32 attention set on the model (with `matmuls`, or `attention`: 'auto' decided
+    float32), and a function giving the context a forward runs in (autocast, or nothing)."""
+    if matmuls is None and not attention:
         return contextlib.nullcontext
     from relax_core.models.attention import use_float32_attention
 
     use_float32_attention(model)
-    return lambda: torch.autocast("cpu", dtype=matmuls)
+    return lambda: torch.autocast("cpu", dtype=matmuls) if matmuls else contextlib.nullcontext()
 
 
 def one_pass(decoder, ids, row, resp, real) -> torch.Tensor:
@@ -223,8 +223,8 @@ class BareGRPO:
         # comparison must run on the same ones.
         use_deterministic_kernels(cfg.train.deterministic)
         self.epoch, self.pos, self.order = 0, 0, None
-        self.compute = numerics(model, matmul_dtype(cfg))
-        self.packed = matmul_dtype(cfg) is not None  # the engine's trainer packs its responses
+        self.compute = numerics(model, matmul_dtype(cfg), auto_float32(cfg.model.matmul_dtype))
+        self.packed = self.compute is not contextlib.nullcontext  # as the engine's trainer packs
 
     def next_prompts(self, n: int) -> list[int]:
         """The engine's order: one permutation of the dataset per (seed, epoch)."""

@@ -70,10 +70,12 @@ def computing_as_trainer(model, matmul_dtype: str):
     under `model.matmul_dtype` (`linear_layers_in`); unchanged when it is '' (float32
     throughout) or 'auto' on a machine without native bf16. Weight sync's layout is the float32
     one: take it (`specs_of`) before this."""
-    matmul_dtype = resolve_matmul_dtype(matmul_dtype)
-    if not matmul_dtype:
-        return model
-    return linear_layers_in(model, getattr(torch, matmul_dtype))
+    resolved = resolve_matmul_dtype(matmul_dtype)
+    if resolved:
+        return linear_layers_in(model, getattr(torch, resolved))
+    if matmul_dtype == MATMUL_AUTO:  # float32 here, with the trainer's attention (auto_float32)
+        use_float32_attention(model)
+    return model
 
 
 def trainer_autocast(device: torch.device | str, matmul_dtype: str):
@@ -141,6 +143,13 @@ def resolve_matmul_dtype(value: str) -> str:
     if value != MATMUL_AUTO:
         return value
     return "bfloat16" if native_bf16() else ""
+
+
+def auto_float32(value: str) -> bool:
+    """Whether `model.matmul_dtype` is 'auto' decided float32 here. Such a run keeps the float32
+    attention implementation of bf16 runs (models/attention.py), which computes float32 inputs as
+    they come: the packed training forward and the batched decode attention come with it."""
+    return value == MATMUL_AUTO and not resolve_matmul_dtype(value)
 
 
 def matmul_tags(value: str) -> dict[str, str]:

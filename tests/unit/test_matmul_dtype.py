@@ -247,6 +247,11 @@ def test_auto_computes_in_bf16_only_where_it_is_native(monkeypatch, tok, native)
     engine_model = precision.computing_as_trainer(build_tiny_qwen3(SMALL, len(tok), seed=0), "auto")
     linears = [m for m in engine_model.modules() if isinstance(m, torch.nn.Linear)]
     assert {m.weight.dtype for m in linears} == {torch.bfloat16 if native else torch.float32}
+    # decided float32, it keeps the float32 attention (packed training, batched decode)
+    assert engine_model.config._attn_implementation == FLOAT32_SDPA
+    assert precision.auto_float32("auto") is not native and not precision.auto_float32("")
+    plain = precision.computing_as_trainer(build_tiny_qwen3(SMALL, len(tok), seed=0), "")
+    assert plain.config._attn_implementation != FLOAT32_SDPA  # '' is transformers' own
     with precision.trainer_autocast("cpu", "auto"):
         assert torch.is_autocast_enabled("cpu") is native
     tags = run_tags_of(_cfg(model={"matmul_dtype": "auto"}), "r")
