@@ -24,12 +24,9 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.join(REPO, "bench"):
     sys.path[0] = REPO
 
 import argparse
-import shutil
-import statistics
-import tempfile
 
 from bench import overhead
-from bench.common import add_pin_args, cpu_set, median_range, prepared_policy, run_worker
+from bench.common import add_pin_args
 
 SIDES = ("on", "off")
 
@@ -49,26 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.steps, args.warmup)
-    cpus = cpu_set(args.cpus)
-    work = tempfile.mkdtemp(prefix="relax-determinism-")
-    prepared_policy(overhead.bench_config(work))  # the warm start once, here, so no worker times it
-    shutil.rmtree(work, ignore_errors=True)
-    per_step: dict[str, list[float]] = {side: [] for side in SIDES}
-    ratios = []
-    for r in range(args.rounds):
-        for side in SIDES if r % 2 == 0 else SIDES[::-1]:
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", side]
-            cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
-            per_step[side].append(run_worker(cmd, cpus, args.threads)["s_per_step"])
-        ratios.append(per_step["on"][-1] / per_step["off"][-1])
-        print(f"round {r + 1}: on {per_step['on'][-1]:.4f} s/step, off "
-              f"{per_step['off'][-1]:.4f} s/step, on / off {ratios[-1]:.3f}", flush=True)  # fmt: skip
-    print(f"\nCPUs {cpus}; {args.threads} torch threads per process; {args.steps} timed steps "
-          f"after {args.warmup}; {args.rounds} rounds, the order alternating")  # fmt: skip
-    for side in SIDES:
-        print(f"train.deterministic {side}: {median_range(per_step[side], 4)} s/step")
-    print(f"on / off per round: {', '.join(f'{x:.3f}' for x in ratios)}")
-    print(f"headline: deterministic_cost = {statistics.median(ratios):.2f}")
+    overhead.step_ab(__file__, SIDES, args, "train.deterministic", "deterministic_cost")
 
 
 if __name__ == "__main__":

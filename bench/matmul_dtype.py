@@ -30,12 +30,9 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.join(REPO, "bench"):
     sys.path[0] = REPO
 
 import argparse
-import shutil
-import statistics
-import tempfile
 
 from bench import overhead
-from bench.common import add_pin_args, cpu_set, median_range, prepared_policy, run_worker
+from bench.common import add_pin_args
 
 SIDES = {"bfloat16": "bfloat16", "float32": ""}
 
@@ -53,28 +50,10 @@ def main() -> None:
         return overhead.worker("engine", args.steps, args.warmup, model=model)
     from relax_core.models.precision import MATMUL_AUTO, cpu_lacks_native_bf16, resolve_matmul_dtype
 
-    cpus = cpu_set(args.cpus)
-    work = tempfile.mkdtemp(prefix="relax-matmul-dtype-")
-    prepared_policy(overhead.bench_config(work))  # the warm start once, here, so no worker times it
-    shutil.rmtree(work, ignore_errors=True)
-    per_step: dict[str, list[float]] = {side: [] for side in SIDES}
-    ratios = []
-    for r in range(args.rounds):
-        for side in list(SIDES) if r % 2 == 0 else list(SIDES)[::-1]:
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", side]
-            cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
-            per_step[side].append(run_worker(cmd, cpus, args.threads)["s_per_step"])
-        ratios.append(per_step["bfloat16"][-1] / per_step["float32"][-1])
-        print(f"round {r + 1}: bfloat16 {per_step['bfloat16'][-1]:.4f} s/step, float32 "
-              f"{per_step['float32'][-1]:.4f} s/step, bf16 / f32 {ratios[-1]:.3f}", flush=True)  # fmt: skip
     native = "no" if cpu_lacks_native_bf16() else "yes (or cannot tell)"
-    print(f"\nCPUs {cpus}; {args.threads} torch threads per process; {args.steps} timed steps "
-          f"after {args.warmup}; {args.rounds} rounds, the order alternating; native bf16: "
-          f"{native}; 'auto' here: {resolve_matmul_dtype(MATMUL_AUTO) or 'float32'}")  # fmt: skip
-    for side in SIDES:
-        print(f"matmul_dtype {side}: {median_range(per_step[side], 4)} s/step")
-    print(f"bf16 / f32 per round: {', '.join(f'{x:.3f}' for x in ratios)}")
-    print(f"headline: bf16_over_f32_step = {statistics.median(ratios):.2f}")
+    auto = resolve_matmul_dtype(MATMUL_AUTO) or "float32"
+    print(f"native bf16 on this CPU: {native}; 'auto' computes in {auto} here", flush=True)
+    overhead.step_ab(__file__, tuple(SIDES), args, "matmul_dtype", "bf16_over_f32_step")
 
 
 if __name__ == "__main__":

@@ -137,6 +137,36 @@ def worker(side: str, steps: int, warmup: int, **sections: dict) -> None:
     print(json.dumps({**placement(), "side": side, "s_per_step": s_per_step, "parts": parts}))
 
 
+def step_ab(script: str, sides: tuple[str, str], args, setting: str, headline: str) -> None:
+    """A bench of one setting's cost on the engine's step (`script`'s workers run `worker` with
+    `setting` per side): the config's policy prepared once here, so no worker times the warm
+    start; then `args.rounds` A/B pairs of `script --worker <side> --steps --warmup`, each a
+    fresh process pinned to `args.cpus` with `args.threads`, the order alternating from round
+    to round. Prints each round, each side's median (min-max) s/step and last `headline: <name>
+    = X`, the median over rounds of the first side's s/step over the second's."""
+    cpus = cpu_set(args.cpus)
+    work = tempfile.mkdtemp(prefix="relax-step-ab-")
+    prepared_policy(bench_config(work))
+    shutil.rmtree(work, ignore_errors=True)
+    per_step: dict[str, list[float]] = {side: [] for side in sides}
+    ratios = []
+    for r in range(args.rounds):
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            cmd = [sys.executable, os.path.abspath(script), "--worker", side]
+            cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+            per_step[side].append(run_worker(cmd, cpus, args.threads)["s_per_step"])
+        a, b = (per_step[side][-1] for side in sides)
+        ratios.append(a / b)
+        print(f"round {r + 1}: {sides[0]} {a:.4f} s/step, {sides[1]} {b:.4f} s/step, "
+              f"{sides[0]} / {sides[1]} {ratios[-1]:.3f}", flush=True)  # fmt: skip
+    print(f"\nCPUs {cpus}; {args.threads} torch threads per process; {args.steps} timed steps "
+          f"after {args.warmup}; {args.rounds} rounds, the order alternating")  # fmt: skip
+    for side in sides:
+        print(f"{setting} {side}: {median_range(per_step[side], 4)} s/step")
+    print(f"{sides[0]} / {sides[1]} per round: {', '.join(f'{x:.3f}' for x in ratios)}")
+    print(f"headline: {headline} = {statistics.median(ratios):.2f}")
+
+
 def check(steps: int) -> None:
     """Both sides from the same weights in this process: per step, the mean rewards and the
     largest difference between the trainer's parameters and the bare loop's."""
