@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-from relax_core.models.precision import auto_float32, bucket_length, resolve_matmul_dtype  # noqa: E402
+from relax_core.models.precision import bucket_length, resolve_matmul_dtype  # noqa: E402
 from relax_core.train.determinism import use_deterministic_kernels  # noqa: E402
 
 
@@ -75,8 +75,8 @@ def response_logp(model, hidden, tokens, real, temperature: float) -> torch.Tens
 
 def numerics(model, matmuls: torch.dtype | None, attention: bool = False):
     """The engine's numerics for `model` under `model.matmul_dtype` (`matmuls`, None for
-    float32): float32 attention set on the model (with `matmuls`, or `attention`: 'auto' decided
-    float32), and a function giving the context a forward runs in (autocast, or nothing)."""
+    float32): float32 attention set on the model (with `matmuls`, or `attention`: any setting,
+    'auto' decided float32 too), and a function giving the context a forward runs in (autocast, or nothing)."""
     if matmuls is None and not attention:
         return contextlib.nullcontext
     from relax_core.models.attention import use_float32_attention
@@ -223,7 +223,7 @@ class BareGRPO:
         # comparison must run on the same ones.
         use_deterministic_kernels(cfg.train.deterministic)
         self.epoch, self.pos, self.order = 0, 0, None
-        self.compute = numerics(model, matmul_dtype(cfg), auto_float32(cfg.model.matmul_dtype))
+        self.compute = numerics(model, matmul_dtype(cfg), bool(cfg.model.matmul_dtype))
         self.packed = self.compute is not contextlib.nullcontext  # as the engine's trainer packs
 
     def next_prompts(self, n: int) -> list[int]:

@@ -68,12 +68,12 @@ def linear_layers_in(model, dtype: torch.dtype):
 def computing_as_trainer(model, matmul_dtype: str):
     """`model` (a float32 inference copy: an engine's, a scorer's) computing as the trainer does
     under `model.matmul_dtype` (`linear_layers_in`); unchanged when it is '' (float32
-    throughout) or 'auto' on a machine without native bf16. Weight sync's layout is the float32
-    one: take it (`specs_of`) before this."""
+    throughout), only its attention switched for 'auto' decided float32. Weight sync's layout is
+    the float32 one: take it (`specs_of`) before this."""
     resolved = resolve_matmul_dtype(matmul_dtype)
     if resolved:
         return linear_layers_in(model, getattr(torch, resolved))
-    if matmul_dtype == MATMUL_AUTO:  # float32 here, with the trainer's attention (auto_float32)
+    if matmul_dtype:  # 'auto' decided float32 here: the trainer's attention all the same
         use_float32_attention(model)
     return model
 
@@ -97,7 +97,10 @@ MATMUL_AUTO = "auto"
 """`model.matmul_dtype: auto`: 'bfloat16' where this process computes bf16 natively (a CUDA GPU
 with bf16, an x86 CPU with one of `BF16_FLAGS`), '' (float32) elsewhere. Without native bf16,
 torch converts around every product: on an AVX2-only CPU a bf16 linear layer of the CPU
-default's sizes is 3-11x slower than a float32 one (docs/gpus.md)."""
+default's sizes is 3-11x slower than a float32 one (docs/gpus.md). Decided float32, a run keeps
+the float32 attention implementation of bf16 runs (models/attention.py), which computes float32
+inputs as they come: the packed training forward and the batched decode attention come with
+it."""
 
 
 def _cpu_flags(cpuinfo: str) -> set[str] | None:
@@ -143,19 +146,6 @@ def resolve_matmul_dtype(value: str) -> str:
     if value != MATMUL_AUTO:
         return value
     return "bfloat16" if native_bf16() else ""
-
-
-def auto_float32(value: str) -> bool:
-    """Whether `model.matmul_dtype` is 'auto' decided float32 here. Such a run keeps the float32
-    attention implementation of bf16 runs (models/attention.py), which computes float32 inputs as
-    they come: the packed training forward and the batched decode attention come with it."""
-    return value == MATMUL_AUTO and not resolve_matmul_dtype(value)
-
-
-def matmul_tags(value: str) -> dict[str, str]:
-    """The MLflow tag naming what `model.matmul_dtype` computes in on this machine (none when
-    it is unset): a run of 'auto' says which it was."""
-    return {"relax.matmul_dtype": resolve_matmul_dtype(value) or "float32"} if value else {}
 
 
 def bucket_length(n: int) -> int:

@@ -70,8 +70,8 @@ def run_tags(run_id: str, mode: str) -> dict[str, str]:
 def run_tags_of(cfg, run_id: str) -> dict[str, str]:
     """`run_tags` of a run of `cfg`, with what its `model.matmul_dtype` computes in here."""
     tags = run_tags(run_id, cfg.mode)
-    if cfg.model.matmul_dtype:
-        from relax_core.models.precision import matmul_tags
+    if cfg.model.matmul_dtype:  # 'auto' says which it was
+        from relax_core.models.precision import resolve_matmul_dtype
 
-        tags.update(matmul_tags(cfg.model.matmul_dtype))
+        tags["relax.matmul_dtype"] = resolve_matmul_dtype(cfg.model.matmul_dtype) or "float32"
     return tags

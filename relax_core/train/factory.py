@@ -68,7 +68,7 @@ def make_backend(model, cfg: RunConfig, backend: str | None = None, source: str 
     reads each rank's shards from the policy directory `source` when given (`model` may then
     be a meta-device skeleton, see `trainer_policy`)."""
     from relax_core.models.attention import use_float32_attention
-    from relax_core.models.precision import auto_float32, resolve_matmul_dtype
+    from relax_core.models.precision import resolve_matmul_dtype
     from relax_core.train.torch_backend import build_backend
 
     t = cfg.train
@@ -78,11 +78,9 @@ def make_backend(model, cfg: RunConfig, backend: str | None = None, source: str 
     if (backend or t.backend) == "torch":
         if torch.cuda.is_available():  # the trainer's GPU; log-probs come back to the CPU rows
             model.to("cuda")
-        matmul_name = resolve_matmul_dtype(cfg.model.matmul_dtype)
-        if auto_float32(cfg.model.matmul_dtype):  # float32, packed forward (models/precision.py)
+        if cfg.model.matmul_dtype:  # bf16 matmuls, or auto's float32: float32 attention, packed
             use_float32_attention(model)
-        if matmul_name:  # bf16 linear layers, the rest float32 (models/precision.py)
-            use_float32_attention(model)
+        if matmul_name := resolve_matmul_dtype(cfg.model.matmul_dtype):  # bf16 linear layers
             matmuls = getattr(torch, matmul_name)
             return build_backend(
                 model,
