@@ -4,7 +4,10 @@ Prompts are left-padded into one batch; positions count real tokens only, so a p
 not depend on what it was batched with. A prompt repeated in the batch (a group's samples) is
 prefilled once and its KV cache indexed out to its rows. Rows that emit EOS stop contributing
 tokens; once they are a quarter of the decode batch they leave it and the KV cache. Tokens are
-sampled where the logits are, from one uniform per row of the engine's own CPU generator.
+sampled where the logits are, from one uniform per row of the engine's own CPU generator. On a
+CPU, text generation of a Llama-family decoder runs through rollout/decoder.py's lean forward
+(the same modules without transformers' per-call mask and cache work; the same tokens and
+log-probs to float32 rounding).
 
 Media (an omni policy, models/omni.py): `generate(..., media=)` gives each prompt its encoded
 media inputs; they go with every prefill (the first step, and a rebuild after new weights) and
@@ -34,6 +37,7 @@ from transformers import DynamicCache, PreTrainedModel
 from relax_core.models.precision import bucket_length
 from relax_core.models.routing_replay import routing_of
 from relax_core.multimodal.protocol import MultimodalDecoder
+from relax_core.rollout.decoder import lean_decoder
 from relax_core.rollout.engine import Completion, SamplingParams
 from relax_core.rollout.sampling import sample_tokens
 
@@ -68,6 +72,9 @@ class TorchEngine:
         self._paused = False
         self.weight_poll: Callable[[], bool] | None = None
         """Called between decode steps; returns True when it loaded new weights."""
+        self.lean = lean_decoder(self.model)
+        """The text generation forward on a CPU (rollout/decoder.py), or None where the model is
+        not one it computes: transformers' forward then."""
         self._last_only = _last_logits_only(model)
         """Forward keyword that computes the LM head at the last position only (a prefill of
         64 prompts of 256 tokens with a 152k vocabulary would otherwise make 5 GB of logits
@@ -121,16 +128,19 @@ class TorchEngine:
         # mid-generation weight loads, whose prefill is rebuilt for every row.
         rows = torch.arange(batch)
         compact = media is None and routing is None and self.weight_poll is None
-        first = (
-            self._shared_prefill(prompts, input_ids, mask, positions, cache, device)
-            if compact
-            else None
-        )
+        lean = self.lean if compact and device.type == "cpu" else None
+        first = None
+        if lean is not None:
+            first = self._lean_prefill(lean, prompts, input_ids, mask, positions, params)
+        elif compact:
+            first = self._shared_prefill(prompts, input_ids, mask, positions, cache, device)
         for t in range(params.max_new_tokens):
             extra = {"media": media} if prefill and media is not None else {}
             with routing.capture() if routing is not None else nullcontext() as captured:
                 if t == 0 and first is not None:
                     logits = first
+                elif lean is not None:
+                    logits = lean.forward(step_ids, torch.ones_like(step_ids), step_pos)
                 else:
                     logits = self.model(
                         input_ids=step_ids.to(device),
@@ -177,7 +187,10 @@ class TorchEngine:
                 if device.type == "cpu":
                     repeat = keep[-1:].expand(bucket_length(len(keep)) - len(keep))
                     keep = torch.cat([keep, repeat])
-                cache.batch_select_indices(keep.to(device))
+                if lean is not None:
+                    lean.select(keep)
+                else:
+                    cache.batch_select_indices(keep.to(device))
                 rows, step_ids, step_pos, mask = (
                     live_rows,
                     step_ids[keep],
@@ -194,6 +207,23 @@ class TorchEngine:
         if routes is not None:
             out = _with_routes(out, routes, [len(p) for p in prompts], width)
         return out
+
+    def _lean_prefill(self, lean, prompts, input_ids, mask, positions, params) -> torch.Tensor:
+        """The first step's logits [B, V] from the lean decoder's prefill, of each distinct
+        prompt once (a group's samples repeat theirs), its cache rows then indexed out to every
+        row that repeats it."""
+        index: dict[tuple[int, ...], int] = {}
+        row, firsts = [], []
+        for i, p in enumerate(prompts):
+            row.append(index.setdefault(tuple(p), len(index)))
+            if len(index) > len(firsts):
+                firsts.append(i)
+        lean.start(len(index), input_ids.shape[1] + params.max_new_tokens)
+        first = torch.tensor(firsts)
+        logits = lean.forward(input_ids[first], mask[first], positions[first])
+        rows = torch.tensor(row)
+        lean.select(rows)
+        return logits[rows]
 
     def _shared_prefill(self, prompts, input_ids, mask, positions, cache, device):
         """A group's samples repeat their prompt: prefill each distinct prompt once and index

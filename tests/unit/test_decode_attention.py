@@ -113,6 +113,7 @@ def test_the_engine_generates_the_same_tokens_with_it(monkeypatch):
 
     def generate():
         engine = TorchEngine(model, tok.eos_token_id, tok.pad_token_id, seed=0)
+        engine.lean = None  # transformers' forward (the lean one: tests/unit/test_lean_decoder.py)
         return [(c.response_ids, c.logprobs) for c in engine.generate(prompts * 2, params)]
 
     fast = generate()

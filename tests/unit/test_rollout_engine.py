@@ -175,7 +175,8 @@ def test_rows_leaving_the_decode_batch_keep_every_logprob_right(tok):
 
 def test_a_padded_decode_batch_samples_what_an_exact_one_does(tok, monkeypatch):
     """On a CPU the shrunk decode batch is padded to 8 sizes an octave with a repeated row: the
-    padding is never sampled, so the same seed draws the same tokens with the same log-probs."""
+    padding is never sampled, so the same seed draws the same tokens with the same log-probs (to
+    float32 rounding: a matrix product of another row count may round a last bit otherwise)."""
     from relax_core.rollout import torch_engine
 
     model = build_tiny_qwen3(SMALL, len(tok), seed=3)
@@ -203,7 +204,8 @@ def test_a_padded_decode_batch_samples_what_an_exact_one_does(tok, monkeypatch):
     assert any(n != b for n, b in sizes), sizes  # some shrunk batch was padded
     exact = run(seed, lambda n: n)
     assert [c.response_ids for c in padded] == [c.response_ids for c in exact]
-    assert [c.logprobs for c in padded] == [c.logprobs for c in exact]
+    for a, b in zip(padded, exact, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=2e-6, rel=0)
 
 
 def test_a_repeated_prompt_is_prefilled_once_and_generates_as_alone(engine, tok):
