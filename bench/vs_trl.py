@@ -11,7 +11,9 @@ stopped), temperature, lr, AdamW betas (0.9, 0.99), grad clip, the PPO clip (0.2
 batch), float32 master weights, the run's seed (`--seeds`: it draws the prompt order and the
 samples). TRL generates with `transformers` (`use_vllm=False`), no gradient checkpointing, no
 eval or checkpoints during training. Ours is the colocate controller (ColocateController.step:
-the engine's step with its queue and weight sync); the async row is `mode: async` with
+the engine's step with its queue and weight sync) in a process set up as a run's step loop sets
+up its own (relax_core/heap.py: the heap frozen, glibc keeping freed memory; TRL's process keeps
+glibc's defaults, as TRL leaves them); the async row is `mode: async` with
 cpu-async.yaml's services (every role a process, on the same CPU set).
 
 Method: for each round and seed, one A/B pair (ours then TRL, the order alternating from pair

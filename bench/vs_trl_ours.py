@@ -72,6 +72,7 @@ def ours_step_parts(m: dict[str, float], probe: dict[str, float], step_s: float)
 def worker_ours(
     task: str, steps: int, eval_every: int, warmup: int, work: str, seed: int = 0
 ) -> dict:
+    from relax_core.heap import freeze_heap
     from relax_core.run.colocate import ColocateController
     from relax_core.run.session import RunSession, RunState
 
@@ -79,6 +80,7 @@ def worker_ours(
     session = RunSession(cfg, task_policy(cfg, task), RunState(run_id=f"vs-trl-{task}"))
     controller = ColocateController(session)
     probe = TrainProbe(session.backend)
+    freeze_heap()  # as a run's step loop does (run/lifecycle.run_steps; relax_core/heap.py)
     evals = [(0, controller.evaluate()["eval/accuracy"])]
     records = []
     for step in range(1, steps + 1):
