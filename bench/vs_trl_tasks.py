@@ -24,9 +24,10 @@ class Task:
 
 
 TASKS = {
-    # The CPU default's warm start leaves the policy near 0.30 held-out (seeds 0-2); both sides
-    # reach 0.60 within 30-40 steps.
-    "tiny": Task("configs/cpu-default.yaml", steps=100, eval_every=10, target=0.60, warmup=2),
+    # The CPU default's warm start leaves the policy near 0.30 held-out (seeds 0-2). The target
+    # is one both sides reach on every seed within the 100 steps: 0.60 was, in bf16 (Xeon,
+    # 2026-11-28), not in float32 on an AVX2-only CPU (2 of 6 runs; 0.55 on all 6).
+    "tiny": Task("configs/cpu-default.yaml", steps=100, eval_every=10, target=0.55, warmup=2),
     "smollm2": Task("configs/smollm2-135m-cpu.yaml", steps=4, eval_every=2, target=0.9, warmup=1),
 }
 
