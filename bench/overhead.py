@@ -113,6 +113,7 @@ def worker(side: str, steps: int, warmup: int, **sections: dict) -> None:
     `sections`: settings over the config's, applied after its starting policy is prepared (so
     both sides of a bench start from the same weights)."""
     from relax_core.config import replace
+    from relax_core.heap import freeze_heap
 
     work = tempfile.mkdtemp(prefix="relax-overhead-")
     try:
@@ -123,6 +124,9 @@ def worker(side: str, steps: int, warmup: int, **sections: dict) -> None:
             step = engine_phases(engine_side(cfg, policy))
         else:
             step = bare_side(cfg, policy).step
+        # Both sides' processes set up as a run's step loop sets up its own (the heap frozen,
+        # glibc keeping freed memory: relax_core/heap.py), so the ratio is the engine's work.
+        freeze_heap()
         for _ in range(warmup):
             step()
         parts: dict[str, float] = {}
