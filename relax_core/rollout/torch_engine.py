@@ -212,13 +212,8 @@ class TorchEngine:
         """The first step's logits [B, V] from the lean decoder's prefill, of each distinct
         prompt once (a group's samples repeat theirs), its cache rows then indexed out to every
         row that repeats it."""
-        index: dict[tuple[int, ...], int] = {}
-        row, firsts = [], []
-        for i, p in enumerate(prompts):
-            row.append(index.setdefault(tuple(p), len(index)))
-            if len(index) > len(firsts):
-                firsts.append(i)
-        lean.start(len(index), input_ids.shape[1] + params.max_new_tokens)
+        row, firsts = _distinct(prompts)
+        lean.start(len(firsts), input_ids.shape[1] + params.max_new_tokens)
         first = torch.tensor(firsts)
         logits = lean.forward(input_ids[first], mask[first], positions[first])
         rows = torch.tensor(row)
@@ -229,12 +224,7 @@ class TorchEngine:
         """A group's samples repeat their prompt: prefill each distinct prompt once and index
         its KV cache out to every row (text prompts only, as for row compaction). Returns the
         first step's logits [B, V], or None (no prompt repeats) to prefill as usual."""
-        index: dict[tuple[int, ...], int] = {}
-        row, firsts = [], []
-        for i, p in enumerate(prompts):
-            row.append(index.setdefault(tuple(p), len(index)))
-            if len(index) > len(firsts):
-                firsts.append(i)
+        row, firsts = _distinct(prompts)
         if len(firsts) == len(row):
             return None
         first = torch.tensor(firsts)
@@ -300,6 +290,17 @@ class TorchEngine:
 
     def health(self) -> dict[str, object]:
         return {"ok": True, "policy_version": self.version, "paused": self._paused}
+
+
+def _distinct(prompts: list[list[int]]) -> tuple[list[int], list[int]]:
+    """(each prompt's index among the distinct prompts, each distinct prompt's first row)."""
+    index: dict[tuple[int, ...], int] = {}
+    row, firsts = [], []
+    for i, p in enumerate(prompts):
+        row.append(index.setdefault(tuple(p), len(index)))
+        if len(index) > len(firsts):
+            firsts.append(i)
+    return row, firsts
 
 
 def _with_routes(
