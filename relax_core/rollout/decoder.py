@@ -2,8 +2,8 @@
 
 At the torch engine's sizes (the CPU default: 256 rows, 2 layers, a handful of tokens a step)
 a decode step's matrix products are a third of its time; the rest is per-call work around
-them: transformers builds a 4D mask from the 2D one at every call, grows each layer's
-`DynamicCache` by concatenation, and goes through its output-capturing wrappers. `LeanDecoder`
+them: transformers builds a 4D mask from the 2D one at every call and goes through its cache
+object and output-capturing wrappers layer by layer. `LeanDecoder`
 runs the same modules (embeddings, norms, projections, rotary embedding, MLP, LM head, each
 called as the model holds it, so bf16 linear layers (models/precision.py) and LoRA adapters
 apply) with the key mask kept as one bool tensor. Its KV cache grows by concatenation as
@@ -17,8 +17,9 @@ causal over each row's real keys (a padding query sees itself, so that no row is
 Equal to the transformers forward to float32 rounding (tests/unit/test_lean_decoder.py).
 
 Which models: dense text decoders of the Llama family (model_type llama, mistral, qwen2, qwen3)
-with the default rotary embedding, no sliding window, on a CPU; `lean_decoder(model)` returns
-None for anything else and the engine keeps the transformers forward.
+with the default rotary embedding, no sliding window; `lean_decoder(model)` returns None for
+anything else and the engine keeps the transformers forward. The engine takes it on a CPU only
+(rollout/torch_engine.py decides per call, where the model is then).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 def lean_decoder(model: torch.nn.Module) -> LeanDecoder | None:
     """A LeanDecoder over `model` (a transformers causal LM, or a PEFT model around one) when it
-    is a dense Llama-family decoder on a CPU that this forward computes exactly, else None."""
+    is a dense Llama-family decoder that this forward computes exactly, else None."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
     inner = getattr(base, "model", None)
@@ -48,8 +49,6 @@ def lean_decoder(model: torch.nn.Module) -> LeanDecoder | None:
     if not layers or rotary is None or getattr(rotary, "rope_type", None) != "default":
         return None
     if getattr(config, "pretraining_tp", 1) != 1 or _sliding(config):
-        return None
-    if next(base.parameters()).device.type != "cpu":
         return None
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
