@@ -1,8 +1,8 @@
 """The main job against a bare loop: wall time to +30 held-out points, warm starts included.
 
-Per round (round r takes seed r of `--seeds`, cycling; the config's seed by default), A then B,
-every process pinned to the same CPU set and thread budget (bench.common.run_pinned /
-run_worker):
+Per round (round r takes seed r of `--seeds`, cycling; the config's seed by default), A and B,
+A first in even rounds and B first in odd ones (a drifting machine favours neither), every
+process pinned to the same CPU set and thread budget (bench.common.run_pinned / run_worker):
   A. `pyflyte run workflows/train.py train --cfg C`: the config with that seed and every place a
      run writes (queue, checkpoints, MLflow store, policy cache) in a fresh work directory, so the
      warm start runs and counts (Flyte's local cache of prepare_policy is keyed on the cache
@@ -147,19 +147,24 @@ def main() -> None:
         migrated_store(os.path.join(template, "mlflow.db"))
     times: dict[str, list[float | None]] = {"ours": [], "bare": []}
     to_step0: dict[str, list[float]] = {"ours": [], "bare": []}
-    for seed in seeds:
+    for r, seed in enumerate(seeds):
         work = tempfile.mkdtemp(prefix="main-vs-bare-")
         try:
             if args.warm_mlflow:
                 shutil.copy(os.path.join(template, "mlflow.db"), work)
             cfg = write_config(args.cfg, work, seed)
-            runs = {
-                "ours": ours(cfg, work, cpus, args.threads, args.cold_caches),
-                "bare": bare(cfg, seed, args.target, cpus, args.threads),
-            }
+            # The order alternates, so a machine that drifts faster or slower over the run
+            # favours neither side.
+            runs = {}
+            for side in ("ours", "bare") if r % 2 == 0 else ("bare", "ours"):
+                if side == "ours":
+                    runs[side] = ours(cfg, work, cpus, args.threads, args.cold_caches)
+                else:
+                    runs[side] = bare(cfg, seed, args.target, cpus, args.threads)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        for side, (start, wall, evals) in runs.items():
+        for side in ("ours", "bare"):
+            start, wall, evals = runs[side]
             seconds, step = time_to_target(evals, start, args.target)
             times[side].append(seconds)
             to_step0[side].append(evals[0][2] - start)

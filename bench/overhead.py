@@ -29,7 +29,7 @@ is how an engine change that the bare loop has not followed shows.
 
 Method: each side runs `--steps` timed steps after `--warmup` untimed ones in a fresh process
 of its own per round, every process pinned to the same CPU set with the same torch thread
-budget (bench.common.run_worker); rounds alternate engine, bare.
+budget (bench.common.run_worker); engine first in odd rounds, bare first in even ones.
 
     python bench/overhead.py [--steps 20] [--warmup 2] [--rounds 3] [--cpus 0,1] [--threads 2]
     python bench/overhead.py --check 3
@@ -219,7 +219,7 @@ def main() -> None:
     script = os.path.abspath(__file__)
     results: dict[str, list[dict]] = {side: [] for side in SIDES}
     for r in range(args.rounds):
-        for side in SIDES:
+        for side in SIDES if r % 2 == 0 else SIDES[::-1]:  # a drifting machine favours neither
             cmd = [sys.executable, script, "--worker", side]
             cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
             results[side].append(run_worker(cmd, cpus, args.threads))
