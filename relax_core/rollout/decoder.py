@@ -12,8 +12,9 @@ decode step's attention read strided keys and each decode-batch compaction copy 
 columns too (the tiny task's generation 38 -> 44 ms).
 
 Attention runs in float32, as `model.matmul_dtype` policies compute it (models/attention.py):
-a decode step through `_decode_attention`, a prefill through SDPA with grouped heads and a mask
-causal over each row's real keys (a padding query sees itself, so that no row is all masked).
+a decode step through `_decode_attention`, a prefill through `_attend` (SDPA with grouped
+heads, or for short prompts its batched products) with a mask causal over each row's real keys
+(a padding query sees itself, so that no row is all masked).
 Equal to the transformers forward to float32 rounding (tests/unit/test_lean_decoder.py).
 
 Which models: dense text decoders of the Llama family (model_type llama, mistral, qwen2, qwen3)
@@ -25,9 +26,8 @@ anything else and the engine keeps the transformers forward. The engine takes it
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
 
-from relax_core.models.attention import _decode_attention
+from relax_core.models.attention import _attend, _decode_attention
 
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -151,15 +151,7 @@ class LeanDecoder:
         if width == 1:
             out = _decode_attention(q, keys, values, attn_mask, attn.scaling)
         else:
-            with torch.autocast("cpu", enabled=False):
-                out = F.scaled_dot_product_attention(
-                    q.float(),
-                    keys.float(),
-                    values.float(),
-                    attn_mask=attn_mask,
-                    scale=attn.scaling,
-                    enable_gqa=q.shape[1] != keys.shape[1],
-                )
+            out = _attend(q, keys, values, attn_mask, {"scaling": attn.scaling})
             out = out.transpose(1, 2).to(q.dtype)
         return attn.o_proj(out.reshape(rows, width, -1))
 

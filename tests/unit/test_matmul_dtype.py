@@ -159,6 +159,8 @@ def test_grouped_query_attention_with_a_mask_matches_repeated_heads_bit_for_bit(
     # The padded response pass, whose masked calls these are (the packed one lays its tokens
     # out the same way: tests/unit/test_packed_responses.py).
     monkeypatch.setattr(shared_prompts, "_packs", lambda *_: False)
+    # SDPA's one call, not the batched products small calls take (test_small_attention.py).
+    monkeypatch.setattr(attention, "SMALL_ATTENTION", 0)
     AttentionInterface.register("sdpa_float32_repeated", _repeated_heads)
     AttentionMaskInterface.register("sdpa_float32_repeated", sdpa_mask)
     cfg = _cfg(model={"matmul_dtype": "bfloat16"})
