@@ -16,7 +16,8 @@ of several lengths) runs as one SDPA call with `enable_gqa`: transformers' SDPA 
 each key/value head for its query heads there (a copy per layer forward, and in the backward a
 sum over the copies), which torch's CPU kernels do not need. The same products in the same
 order: outputs and gradients equal the repeated heads' bit for bit (tests/unit/test_matmul_dtype.py),
-and a training step of the CPU default spends ~3 ms less in attention.
+and a training step of the CPU default spends ~3 ms less in attention. Small masked calls on a
+CPU skip SDPA for two batched matrix products (`SMALL_ATTENTION`), equal to float32 rounding.
 
 It also reads a packed training forward (`packed=PackedResponses` among the attention
 arguments, train/shared_prompts.py): the layers around it ran the distinct prompts' and the rows'
