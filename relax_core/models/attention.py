@@ -182,7 +182,7 @@ def _small_attention(query, keys, values, mask, scale: float | None) -> torch.Te
     shape = scores.shape
     scores = scores.view(rows, kv_heads, heads // kv_heads, width, -1)
     scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf")).view(shape)
-    return torch.matmul(scores.softmax(-1), values).view(rows, heads, width, dim)
+    return torch.matmul(scores.softmax(-1), values).view(rows, heads, width, values.shape[-1])
 
 
 def _packed_attention(

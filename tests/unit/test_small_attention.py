@@ -61,6 +61,15 @@ def test_a_prompt_mask_shared_by_every_row_broadcasts():
     torch.testing.assert_close(got, _sdpa(q, k, v, mask, None), rtol=1e-5, atol=2e-6)
 
 
+def test_values_narrower_than_the_heads_keep_their_width():
+    q, k, _ = _inputs(8, 12, 6, 4, 11)
+    v = torch.randn(8, 6, 11, 8, generator=torch.Generator().manual_seed(2))
+    mask = _response_mask(8, 4, 7)
+    got = attention._attend(q, k, v, mask, {})
+    assert got.shape == (8, 12, 4, 8)
+    torch.testing.assert_close(got, _sdpa(q, k, v, mask, None), rtol=1e-5, atol=2e-6)
+
+
 def test_a_query_without_keys_takes_sdpa_and_gets_zeros(monkeypatch):
     q, k, v = _inputs(4, 12, 6, 4, 11)
     mask = _response_mask(4, 4, 7)
