@@ -108,8 +108,12 @@ def test_in_float32_the_one_pass_trains_as_the_two_passes(tok, monkeypatch):
     (logp, _, grads, seen), (logp2, _, grads2, seen2) = runs
     assert seen == [26] and seen2 == [15, 40]
     torch.testing.assert_close(logp, logp2, rtol=0, atol=1e-6)
+    # Float32 rounding is relative to a tensor's scale: the packed row (26 x 26 positions) goes
+    # through SDPA, the padded passes through the batched small-attention matmuls, so sums run
+    # in other orders, and an entry where terms cancel can differ by more than its own 1e-5.
+    # Measured: at most 7e-7 of the tensor's largest entry; a wrong mask or position is ~1e-2.
     for a, b in zip(grads, grads2, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
 
 
 def test_a_float32_policy_keeps_the_padded_pass(tok):
