@@ -183,10 +183,14 @@ def _train_figures(backend, shape: Shape, args, peak: float) -> dict:
     seq = args.prompt + args.response
     flops = 3 * args.seqs * forward_flops(shape, seq, args.response)
     step = statistics.median(times)
+    mfu = flops / step / (peak * 1e12) if peak > 0 else float("nan")
+    if ON_GPU and peak > 0 and not 0 < mfu < 1:
+        # The card's peak bounds a GPU step (on the CPU a small matmul's speed bounds nothing).
+        raise RuntimeError(f"MFU {mfu:.3f} is not in (0, 1): the FLOP count or the peak is wrong")
     return {
         "step_s": spread(times),
         "tokens_per_s": args.seqs * seq / step,
-        "mfu": flops / step / (peak * 1e12) if peak > 0 else float("nan"),
+        "mfu": mfu,
         "bf16_weights_changed": changed / total,
         "weights_dtype": str(next(iter(after.values())).dtype),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if ON_GPU else 0.0,

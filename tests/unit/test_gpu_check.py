@@ -4,6 +4,7 @@ the same code on the CPU with a tiny Qwen3 shape, and its FLOP count is the hand
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -46,6 +47,9 @@ def test_the_kit_runs_every_part_on_the_cpu(tmp_path):
         r = results[backend]
         assert r["weights_dtype"] == "torch.bfloat16"  # what engines receive
         assert r["bf16_weights_changed"] > 0.01  # lr 1e-6 reaches them through the master
-        assert 0 < r["mfu"] < 1 and r["tokens_per_s"] > 0
+        # On the CPU the denominator is a 256^3 bf16 matmul timed beside whatever else runs,
+        # not a peak: a step timed in a quieter moment reads above 1 (1.17 seen). On a GPU the
+        # kit fails a part whose MFU is not below 1; here the figure must only come out.
+        assert math.isfinite(r["mfu"]) and r["mfu"] > 0 and r["tokens_per_s"] > 0
     assert results["engine"]["tokens_per_s"] > 0
     assert results["nccl"]["receiver"]["versions_received"] == 4  # warm-up + 3 timed pushes
