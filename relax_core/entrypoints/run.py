@@ -9,6 +9,7 @@ import sys
 
 from relax_core.config import ConfigError, load_config
 from relax_core.queue import StorageUnavailable
+from relax_core.roles.stacks import dump_stacks_on_signal
 from relax_core.run.lifecycle import run
 from relax_core.train import preemption
 
@@ -18,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cfg", required=True, help="YAML run config")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    dump_stacks_on_signal()  # kill -USR1: where the supervisor waits
     try:
         cfg = load_config(args.cfg)
     except ConfigError as exc:

@@ -22,6 +22,7 @@ from relax_core.config import RunConfig, load_config
 from relax_core.heap import freeze_heap
 from relax_core.queue import TransferQueue, open_queue
 from relax_core.queue.retry import set_outage_limit
+from relax_core.roles.stacks import dump_stacks_on_signal
 from relax_core.storage import where
 from relax_core.train.checkpoint import local_checkpoint
 from relax_core.train.determinism import use_deterministic_kernels
@@ -186,6 +187,7 @@ def run_role(
     worker: int = 0,
 ) -> None:
     """Serve `role` in this process until the run stops (a Flyte task calls this directly)."""
+    dump_stacks_on_signal()
     # Alive from here on, also while the checkpoint download waits out a storage outage.
     alive = beat_locally(f"{role}-{worker}", cfg.services.heartbeat_s, cfg.services.stall_timeout_s)
     try:

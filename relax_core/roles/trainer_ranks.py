@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from relax_core.config import RunConfig
 from relax_core.roles.service import set_threads
+from relax_core.roles.stacks import dump_stacks_on_signal
 from relax_core.roles.trainer import train_on_table
 
 
@@ -15,6 +16,7 @@ def follow_rank0(cfg: RunConfig, checkpoint: str) -> None:
     from relax_core.train.factory import has_training_state, make_backend, trainer_policy
     from relax_core.train.ranks import Channel, follow
 
+    dump_stacks_on_signal()
     set_threads(cfg.services.trainer_threads or 1)
     model, _ = trainer_policy(cfg, checkpoint)
     backend = make_backend(model, cfg, source=checkpoint)

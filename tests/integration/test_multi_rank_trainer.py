@@ -7,8 +7,6 @@ compute what one process does is tests/integration/test_fsdp.py's.)"""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -16,6 +14,7 @@ from relax_core.queue import TransferQueue
 from relax_core.queue.audit import audit_run
 from relax_core.storage import read_json
 from relax_core.train.checkpoint import find_resume_checkpoint, read_state
+from tests.runs import run_to_end
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -42,17 +41,14 @@ def test_an_async_run_trains_with_a_two_rank_fsdp_trainer(small_config, workdir)
             "trainer_gpus": 2,
         },
     )
-    out = subprocess.run(
-        [sys.executable, "-m", "relax_core.entrypoints.run", "--cfg", cfg],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    # ~100 s beside the suite's other worker; a run that hangs fails with every rank's stacks.
+    out = run_to_end(cfg, timeout_s=600)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     final = find_resume_checkpoint(".relax/checkpoints", "fsdp")
     state = read_state(final)
     recovery = read_json(os.path.join(os.path.dirname(final), "recovery.json"))
-    assert recovery["role_restarts"] == {} and recovery["global_restarts"] == 0, recovery
+    no_restarts = recovery["role_restarts"] == {} and recovery["global_restarts"] == 0
+    assert no_restarts, f"{recovery}\n{out.stderr[-6000:]}"
     assert state["policy_version"] == total
     audit = audit_run(TransferQueue(".relax/queue", state["run_id"]), state)
     assert audit["lost_groups"] == 0 and audit["duplicated_groups"] == 0, audit

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -132,3 +135,42 @@ def test_a_stall_timeout_that_would_fire_inside_an_outage_is_refused(value, mess
         replace(cfg, services={"stall_timeout_s": value})
     assert message in str(err.value)
     assert replace(cfg, services={"stall_timeout_s": 0.0}).services.stall_timeout_s == 0.0
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on():
+    """`kill -USR1` on a stuck role shows where each thread waits, without ending it."""
+    child = "\n".join(
+        [
+            "import sys, threading",
+            "from relax_core.roles.stacks import dump_stacks_on_signal",
+            "dump_stacks_on_signal()",
+            "def waiting_for_a_dead_peer():",
+            "    threading.Event().wait()",
+            "threading.Thread(target=waiting_for_a_dead_peer, daemon=True).start()",
+            "print('ready', flush=True)",
+            "for line in sys.stdin:",
+            "    print('still here', flush=True)",
+        ]
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGUSR1)
+        stacks = ""
+        while "in <module>" not in stacks:  # the main thread's stack comes last
+            line = proc.stderr.readline()
+            assert line, f"stderr ended: {stacks}"
+            stacks += line
+        assert "waiting_for_a_dead_peer" in stacks
+        proc.stdin.write("go on\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "still here"
+    finally:
+        proc.kill()
+        proc.wait()
