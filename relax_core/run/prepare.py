@@ -227,7 +227,7 @@ def _run_warm_start(cfg: PolicySpec, model, tokenizer) -> dict[str, object]:
     from relax_core.data.dataset import load_prompts
     from relax_core.data.templates import render_prompt
     from relax_core.models.precision import resolve_matmul_dtype
-    from relax_core.train.warm_start import answer_example, warm_start
+    from relax_core.train.warm_start import answer_examples, warm_start
 
     rows = load_prompts(cfg.data.train_path)
     system = cfg.data.system_prompt or None
@@ -238,18 +238,19 @@ def _run_warm_start(cfg: PolicySpec, model, tokenizer) -> dict[str, object]:
         usable, _ = split_by_media(rows, MediaResolver(model.spec, media_limits(cfg.data)))
         rows = [row for row, _ in usable]
         media = [inputs for _, inputs in usable]
-    prompt_ids = []
-    for row in rows:
-        text = render_prompt(row["prompt"], cfg.data.template, tokenizer, system)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if isinstance(model, TinyOmni):
-            ids = media_placeholders(row, model.spec, model.media_token_id) + ids
-        prompt_ids.append(ids)
+    texts = [render_prompt(row["prompt"], cfg.data.template, tokenizer, system) for row in rows]
+    # One tokenizer call for the whole dataset: the same ids as one call per prompt.
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    prompt_ids = [list(ids) for ids in encoded]
+    if isinstance(model, TinyOmni):
+        prompt_ids = [
+            media_placeholders(row, model.spec, model.media_token_id) + ids
+            for row, ids in zip(rows, prompt_ids, strict=True)
+        ]
     if cfg.env.name:
         examples, media = demonstration_examples(cfg, model, tokenizer, rows, prompt_ids, media)
     else:
-        pairs = zip(rows, prompt_ids, strict=True)
-        examples = [answer_example(tokenizer, ids, row["answer"]) for row, ids in pairs]
+        examples = answer_examples(tokenizer, prompt_ids, [row["answer"] for row in rows])
     w = cfg.warm_start
     matmuls = resolve_matmul_dtype(cfg.model.matmul_dtype)
     result = warm_start(

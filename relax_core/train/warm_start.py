@@ -27,9 +27,23 @@ def _ce_loss(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch):
 
 def answer_example(tokenizer: Any, prompt_ids: list[int], answer: str) -> Example:
     """A single-turn example: the answer's tokens and EOS, all trained."""
-    response = list(tokenizer(answer, add_special_tokens=False)["input_ids"])
-    response.append(tokenizer.eos_token_id)
-    return prompt_ids, response, [1] * len(response)
+    return answer_examples(tokenizer, [prompt_ids], [answer])[0]
+
+
+def answer_examples(
+    tokenizer: Any, prompt_ids: list[list[int]], answers: list[str]
+) -> list[Example]:
+    """`answer_example` of each (prompt, answer), the answers tokenized in one call (a
+    dataset's thousands of calls one by one cost the warm start about half a second)."""
+    if not answers:
+        return []
+    eos = tokenizer.eos_token_id
+    encoded = tokenizer(list(answers), add_special_tokens=False)["input_ids"]
+    out = []
+    for ids, answer_ids in zip(prompt_ids, encoded, strict=True):
+        response = [*answer_ids, eos]
+        out.append((ids, response, [1] * len(response)))
+    return out
 
 
 PROBE_SIZE = 256
