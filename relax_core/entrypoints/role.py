@@ -13,14 +13,20 @@ import logging
 import os
 import sys
 
-from relax_core.config import ConfigError
-from relax_core.queue import StorageUnavailable
-from relax_core.roles.service import ROLES, load_run_config, run_role
-from relax_core.roles.trainer_ranks import follow_rank0
-from relax_core.run.role_services import serve_fn
-from relax_core.storage import is_committed
-from relax_core.train import preemption
-from relax_core.train.checkpoint import STATE_FILE, local_checkpoint
+from relax_core.roles.torchrun import die_with_torchrun
+
+# First, before the imports below take seconds: a trainer rank whose torchrun is killed meanwhile
+# (a start that timed out) must not live on without it.
+die_with_torchrun()
+
+from relax_core.config import ConfigError  # noqa: E402
+from relax_core.queue import StorageUnavailable  # noqa: E402
+from relax_core.roles.service import ROLES, load_run_config, run_role  # noqa: E402
+from relax_core.roles.trainer_ranks import follow_rank0  # noqa: E402
+from relax_core.run.role_services import serve_fn  # noqa: E402
+from relax_core.storage import is_committed  # noqa: E402
+from relax_core.train import preemption  # noqa: E402
+from relax_core.train.checkpoint import STATE_FILE, local_checkpoint  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

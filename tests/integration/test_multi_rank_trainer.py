@@ -28,16 +28,18 @@ def test_an_async_run_trains_with_a_two_rank_fsdp_trainer(small_config, workdir)
         rollout={"max_staleness": 1},
         # Mid-run evals gather the sharded weights from both ranks into a copy to generate with.
         train={"total_steps": total, "checkpoint_every": 200, "eval_every": 200, "backend": "fsdp"},
-        # The run outlasts start_timeout_s: the supervisor must see torchrun's rank 0 beating
-        # for the torchrun process it started, or it kills a healthy trainer as silent. 20 s of
-        # silence, not 5: beside the suite's other worker on an AVX2-only 2-core machine a
-        # healthy rank 0's beat once waited 5 s (the run recovered, 3 restarts; alone: none).
+        # The run (85-135 s) outlasts start_timeout_s: the supervisor must see torchrun's rank 0
+        # beating for the torchrun process it started, or it kills a healthy trainer as silent.
+        # 20 s of silence, not 5: beside the suite's other worker on an AVX2-only 2-core machine
+        # a healthy rank 0's beat once waited 5 s (the run recovered, 3 restarts; alone: none).
+        # 60 s to start, not 30: beside the pod rehearsal's servers and pods two ranks' imports
+        # took longer, and the restarts each left two ranks running (relax_core/roles/torchrun.py).
         services={
             "trainer_threads": 1,
             "poll_s": 0.002,
             "heartbeat_s": 0.2,
             "heartbeat_timeout_s": 20.0,
-            "start_timeout_s": 30.0,
+            "start_timeout_s": 60.0,
             "trainer_gpus": 2,
         },
     )
