@@ -280,9 +280,20 @@ def test_limits_end_the_episode_and_a_crash_or_timeout_costs_only_its_own():
     assert metrics["rollout/agent_errors"] == 1.0 and metrics["rollout/agent_timeouts"] == 1.0
 
 
+class SlowFirstBatch(ReplyEngine):
+    """Its first batch takes a second, as a real engine's first batch does: the episodes' other
+    calls arrive meanwhile and must go out together. (With an instant engine the batches'
+    sizes follow the threads' timing: a loaded machine once gave at most 3.)"""
+
+    def generate(self, prompts, params, media=None):
+        if not self.batches:
+            time.sleep(1.0)
+        return super().generate(prompts, params, media)
+
+
 def test_concurrent_episodes_share_engine_batches():
     tok = tokenizer()
-    engine = ReplyEngine(tok, calculator_reply)
+    engine = SlowFirstBatch(tok, calculator_reply)
     rows, _ = runner(tok, calc_agent).rollout(engine, items(tok, 4), PARAMS, 2)
     assert len(engine.calls) == 16 and len(rows) == 8
     assert max(engine.batches) >= 4 and len(engine.batches) < 16
