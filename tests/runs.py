@@ -80,7 +80,9 @@ def run_to_end(cfg: str, timeout_s: float, logs: str = ".relax") -> subprocess.C
     try:
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        _dump_and_kill(proc, where)
+        _dump_and_kill(list(dict.fromkeys(_tree(proc.pid) + _mentioning(where))))
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
         pytest.fail(
             f"the run did not end within {timeout_s:.0f} s; every process's stacks were asked "
             f"for (SIGUSR1)\n--- stderr\n{_read(paths[1])[-12000:]}\n{_log_tails(logs)}",
@@ -88,10 +90,10 @@ def run_to_end(cfg: str, timeout_s: float, logs: str = ".relax") -> subprocess.C
         )
     stdout, stderr = _read(paths[0]), _read(paths[1])
     deadline = time.monotonic() + 10.0  # a rank the kernel is ending as torchrun exits
-    while (left := [p for p in _mentioning(where) if _running(p)]) and time.monotonic() < deadline:
+    while (left := [p for p in _mentioning(where) if running(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)
-    if left:
-        _dump_and_kill(proc, where)
+    if left:  # only these: the run's own pid may belong to another process by now
+        _dump_and_kill(left)
         pytest.fail(
             f"processes of the run outlived it: {[' '.join(_argv(p))[:200] for p in left]}\n"
             f"--- stderr\n{_read(paths[1])[-12000:]}",
@@ -100,7 +102,8 @@ def run_to_end(cfg: str, timeout_s: float, logs: str = ".relax") -> subprocess.C
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and has not ended (a zombie has)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
@@ -113,9 +116,8 @@ def _read(path: str) -> str:
         return f.read()
 
 
-def _dump_and_kill(proc: subprocess.Popen, where: str) -> None:
-    """SIGUSR1 to each process of the run in turn (their stacks to their logs), then SIGKILL."""
-    pids = list(dict.fromkeys(_tree(proc.pid) + _mentioning(where)))
+def _dump_and_kill(pids: list[int]) -> None:
+    """SIGUSR1 to each of the run's `pids` in turn (their stacks to their logs), then SIGKILL."""
     for pid in pids:
         if _ours(pid):  # one at a time: a trainer's ranks share one stderr
             with contextlib.suppress(ProcessLookupError):
@@ -125,8 +127,6 @@ def _dump_and_kill(proc: subprocess.Popen, where: str) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=30)
 
 
 def _log_tails(logs: str) -> str:

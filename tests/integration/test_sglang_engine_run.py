@@ -26,6 +26,7 @@ from relax_core.queue.audit import audit_run
 from relax_core.rollout.sglang_engine import SGLangEngine, SGLangError
 from relax_core.rollout.sglang_server import SGLangServer, publish_policy, server_command
 from relax_core.train.checkpoint import find_resume_checkpoint, read_state
+from tests.runs import running
 
 pytestmark = pytest.mark.integration
 
@@ -58,18 +59,6 @@ def tiny_checkpoint(tmp_path) -> str:
     return str(path)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is gone for every purpose here
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_the_command_line_says_what_sglang_needs():
     cfg = SGLangConfig(mem_fraction_static=0.7, extra_args="--dp-size 2 --log-level warning")
     cmd = server_command("/venv/bin/python", "/m", 31000, 4, 12, cfg, memory_saver=True)
@@ -97,7 +86,7 @@ def test_a_started_server_serves_and_stops_with_its_process_group(
         pid = server.proc.pid
     finally:
         server.stop()
-    assert not _alive(pid)
+    assert not running(pid)
     with pytest.raises(SGLangError, match="unreachable"):
         server.client.get("/health")
 
@@ -208,9 +197,9 @@ def test_a_killed_rollout_worker_takes_its_server_with_it(
     worker.send_signal(signal.SIGKILL)
     worker.wait()
     deadline = time.time() + 20
-    while time.time() < deadline and _alive(pid):
+    while time.time() < deadline and running(pid):
         time.sleep(0.1)
-    assert not _alive(pid)
+    assert not running(pid)
 
 
 def test_a_colocate_run_on_sglang_takes_turns_with_the_trainer(

@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from tests.runs import running
+
 pytestmark = pytest.mark.integration
 
 RANK = """
@@ -25,14 +27,6 @@ with open(os.path.join(sys.argv[1], "rank%s.pid" % os.environ["RANK"]), "w") as 
     f.write(str(os.getpid()))
 time.sleep(300)
 """
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
-    except OSError:
-        return False
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
@@ -54,16 +48,16 @@ def test_ranks_end_when_the_supervisor_kills_torchruns_group(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, "torchrun never started"
             time.sleep(0.1)
         pids = [int(f.read_text()) for f in files]
-        assert all(_running(p) for p in pids)
+        assert all(running(p) for p in pids)
         os.killpg(proc.pid, signal.SIGKILL)  # what the supervisor does to a silent trainer
         proc.wait()
         deadline = time.monotonic() + 20
-        while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        while any(running(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(_running(p) for p in pids), "a rank outlived torchrun"
+        assert not any(running(p) for p in pids), "a rank outlived torchrun"
     finally:
         for pid in pids:
-            if _running(pid):
+            if running(pid):
                 os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
