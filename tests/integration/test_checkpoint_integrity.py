@@ -34,6 +34,7 @@ from relax_core.train.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from tests import needs
 
 pytestmark = pytest.mark.integration
 
@@ -90,14 +91,16 @@ def small_disk(workdir):
     path = workdir / "disk"
     path.mkdir()
     if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN); this test runs as a user")
+        needs.missing("mounting a tmpfs needs root (CAP_SYS_ADMIN)", "run the tests as root")
     mounted = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(path)],
         capture_output=True,
         text=True,
     )
     if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (no CAP_SYS_ADMIN?): {mounted.stderr.strip()}")
+        needs.missing(
+            f"cannot mount a tmpfs here: {mounted.stderr.strip()}", "run as root with CAP_SYS_ADMIN"
+        )
 
     def resize(size: str) -> None:
         subprocess.run(["mount", "-o", f"remount,size={size}", str(path)], check=True)

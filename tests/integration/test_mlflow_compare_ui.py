@@ -26,6 +26,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from relax_core.tracking.compare import compare_url
+from tests import needs
 from tests.s3servers import free_ports
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -47,7 +48,7 @@ RUNS = {  # run name -> learning rate logged as param `optim.lr`
 def mlflow_server(tmp_path: Path) -> Iterator[str]:
     """http URI of an `mlflow server` subprocess on a free port, stopped by PID on teardown."""
     if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip(f"{CHROMIUM} is missing; .ci/run installs Debian's chromium package")
+        needs.missing(f"{CHROMIUM} is missing", "apt-get install chromium (.ci/run does)")
     (port,) = free_ports(1)
     uri = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "mlflow-server.log"
@@ -59,7 +60,13 @@ def mlflow_server(tmp_path: Path) -> Iterator[str]:
         "--port", str(port),
         "--workers", "1",  # each worker imports mlflow: seconds of CPU apiece
     ]  # fmt: skip
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    # The server's job runner (four huey consumer processes, each importing mlflow) serves
+    # nothing the UI test uses.
+    env = {
+        **os.environ,
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+    }
     with open(log_path, "wb") as log:
         server = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True

