@@ -3,8 +3,24 @@
 # Two pytest-xdist workers, each taking whole test files (so a module's servers start once): most
 # integration tests wait on subprocesses and servers, and the runs tests start use one torch thread.
 # RELAX_TEST_WORKERS=0 runs everything in this one process (a debugger, -x, -s).
-set -euo pipefail
+# Ends with each test file's time and the slowest tests (scripts/durations.py). Its temp directory
+# is removed after a green run and kept (its path printed) after a red one; RELAX_KEEP_TMP=1
+# keeps it always.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 export MLFLOW_DISABLE_TELEMETRY=true HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export TMPDIR="${TMPDIR:-$(mktemp -d)}"
-exec python3 -m pytest -m "not gpu" -q --durations=15 -n "${RELAX_TEST_WORKERS:-2}" --dist loadfile "$@"
+work="$(mktemp -d)"
+export TMPDIR="$work"
+workers="${RELAX_TEST_WORKERS:-2}"
+dist=()
+if [ "$workers" != "0" ]; then dist=(-n "$workers" --dist loadfile); fi
+python3 -m pytest -m "not gpu" -q --durations=25 "${dist[@]}" \
+  --junitxml="$work/junit.xml" -o junit_family=xunit1 "$@"
+status=$?
+if [ -s "$work/junit.xml" ]; then python3 scripts/durations.py "$work/junit.xml"; fi
+if [ "$status" -ne 0 ] || [ -n "${RELAX_KEEP_TMP:-}" ]; then
+  echo "temp files (pod logs, run dirs) kept in $work"
+else
+  rm -rf "$work"
+fi
+exit "$status"

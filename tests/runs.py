@@ -12,7 +12,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
 
 import pytest
 
@@ -56,12 +58,45 @@ def _mentioning(text: str) -> list[int]:
 
 
 def _ours(pid: int) -> bool:
-    """A process of the run that dumps its stacks on SIGUSR1 (torchrun's own agent does not:
-    the signal would end it)."""
-    argv = _argv(pid)
-    return "torch.distributed.run" not in argv and any(
-        a.startswith("relax_core.entrypoints.") for a in argv
-    )
+    """A process that dumps its stacks on SIGUSR1 (relax_core/roles/stacks.py): it catches the
+    signal. One that does not (torchrun's own agent, a server) would be ended by it."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(line for line in f if line.startswith("SigCgt:")).split()[1]
+    except (OSError, StopIteration, IndexError):
+        return False
+    return bool(int(caught, 16) >> (signal.SIGUSR1 - 1) & 1) and "python" in (_argv(pid) or [""])[0]
+
+
+def stacks_of_children(timeout_s: float) -> str:
+    """What a test that ran past its bound (`timeout_s`, pytest-timeout) was waiting on: every
+    descendant of this process with its command line, and for those that dump their stacks on
+    SIGUSR1 (a run's roles, its supervisor, a trainer's ranks) the stacks, read back from their
+    stderr where that is a file (a run's logs). Nothing is killed: the test's own teardown
+    stops what it started."""
+    pids = [p for p in _tree(os.getpid()) if p != os.getpid() and running(p)]
+    asked = [p for p in pids if _ours(p)]
+    for pid in asked:  # one at a time: processes may share one stderr
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+        time.sleep(0.3)
+    time.sleep(1.0 if asked else 0.0)
+    lines = [f"the test ran past its bound of {timeout_s:.0f} s (pytest-timeout)"]
+    here = threading.get_ident()
+    for ident, frame in sys._current_frames().items():
+        if ident != here:
+            lines.append(f"--- its thread {ident}\n{''.join(traceback.format_stack(frame))}")
+    lines.append(f"its processes ({len(pids)}):")
+    for pid in pids:
+        lines.append(f"  {pid}: {' '.join(_argv(pid))[:300]}")
+    for pid in asked:
+        with contextlib.suppress(OSError):
+            err = os.readlink(f"/proc/{pid}/fd/2")
+            if os.path.isfile(err):
+                lines.append(
+                    f"--- stderr of {pid} ({err}), ending with its stacks\n{_read(err)[-6000:]}"
+                )
+    return "\n".join(lines)
 
 
 def run_to_end(cfg: str, timeout_s: float, logs: str = ".relax") -> subprocess.CompletedProcess:
