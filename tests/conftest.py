@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import signal
 import tempfile
 import threading
 
@@ -32,6 +33,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item, settings):
+    """A test past its bound (pytest-timeout, `timeout` in pyproject.toml) fails with what it
+    waited on: its own threads' stacks (pytest's traceback) and every child process with the
+    stacks of those that dump them (tests/runs.py). Elsewhere pytest-timeout's own timer runs."""
+    if settings.method != "signal" or threading.current_thread() is not threading.main_thread():
+        return None
+    from tests.runs import stacks_of_children
+
+    def on_timeout(signum, frame):
+        __tracebackhide__ = True
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        pytest.fail(stacks_of_children(settings.timeout), pytrace=True)
+
+    def cancel():
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+
+    item.cancel_timeout = cancel
+    signal.signal(signal.SIGALRM, on_timeout)
+    signal.setitimer(signal.ITIMER_REAL, settings.timeout)
+    return True
 
 
 @pytest.fixture
@@ -103,15 +128,20 @@ def _s3_server(start, *args):
         server.stop()
 
 
-@pytest.fixture(scope="module")
+# The S3 servers start once per test process (an xdist worker) and are shared by every test
+# file it runs: each test writes under a key prefix of its own and never assumes an empty bucket.
+# A test that crashes a server (server.crash()) restarts it before it ends.
+
+
+@pytest.fixture(scope="session")
 def moto_s3(tmp_path_factory):
-    """A moto S3 server (tests/s3servers.py) shared by the module, with the bucket `queue-bucket`."""
+    """A moto S3 server (tests/s3servers.py), with the bucket `queue-bucket`."""
     yield from _s3_server(s3servers.start_moto, str(tmp_path_factory.mktemp("moto")))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def seaweed_s3(tmp_path_factory):
-    """A SeaweedFS (`weed mini`) S3 server shared by the module, with the bucket `queue-bucket`."""
+    """A SeaweedFS (`weed mini`) S3 server, with the bucket `queue-bucket`."""
     yield from _s3_server(s3servers.start_seaweedfs, str(tmp_path_factory.mktemp("seaweed")))
 
 
@@ -134,3 +164,12 @@ def hook():
     yield f"json://127.0.0.1:{server.server_port}/hook", received
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture(scope="session")
+def cpu_default_policies(tmp_path_factory) -> tuple[str, str]:
+    """(cache dir, policy dir): the CPU default's warm-started policy, prepared once for the
+    session's workers (tests/policies.py); a test sets `checkpoint.policy_cache_dir` to it."""
+    from tests.policies import cpu_default_policies
+
+    return cpu_default_policies(tmp_path_factory)

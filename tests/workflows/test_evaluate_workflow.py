@@ -19,8 +19,6 @@ from relax_core.config import config_to_dict, load_config, replace
 from relax_core.run.evaluate import pass_at_k
 from relax_core.run.lifecycle import run
 
-pytestmark = pytest.mark.slow
-
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -33,13 +31,15 @@ def test_pass_at_k_estimator_by_hand():
         pass_at_k(4, 1, 5)
 
 
-def test_evaluate_reports_the_training_runs_final_accuracy(workdir):
+@pytest.mark.slow
+def test_evaluate_reports_the_training_runs_final_accuracy(workdir, cpu_default_policies):
     # The CPU default's warm-started policy (right about a fifth of the time), 2 RL steps: an
     # accuracy far from 0 and 1, so agreeing on it means something.
     cfg = replace(
         load_config(os.path.join(REPO, "configs", "cpu-default.yaml")),
         data={"eval_size": 64},
         train={"total_steps": 2, "steps_per_node": 2, "eval_every": 0, "torch_threads": 2},
+        checkpoint={"policy_cache_dir": cpu_default_policies[0]},  # the shared warm start
         tracking={
             "tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}",
             "progress": False,
@@ -138,6 +138,7 @@ def _check_registered_policy(cfg, first, workdir):
         run_name="from-registry",
         model={"kind": "pretrained", "source": "models:/relax-test-policy/latest"},
         warm_start={"steps": 0},
+        checkpoint={"policy_cache_dir": str(workdir / "policies")},
     )
     second = run(seeded)
     assert second["eval_accuracy_before"] == first["eval_accuracy_after"]
