@@ -10,17 +10,21 @@ import json
 import os
 import time
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
+from tests import needs
+
+needs.module("megatron.core", "pip install -e '.[dev]' (megatron-core 0.16.1 on Python 3.11)")
 
 from relax_core.net import free_port  # noqa: E402
 from relax_core.train.megatron.config import MegatronParallel  # noqa: E402
 from relax_core.train.megatron.convert import hf_to_megatron, megatron_to_hf_named  # noqa: E402
 from tests.unit.test_megatron_convert import dense, moe  # noqa: E402
 
+SPAWN_TIMEOUT_S = 240.0  # all three cases take ~25 s on a loaded 2-core box
 CASES = {
     "dense-tp2": (dict(tp=2), "dense"),
     "moe-ep2": (dict(ep=2), "moe"),
@@ -43,15 +47,23 @@ def _settled_alive(refs: list[weakref.ref]) -> int:
     return alive
 
 
-def _worker(rank: int, port: int, case: str, checkpoint: str, out: str) -> None:
+def _worker(rank: int, port: int, checkpoints: dict[str, str], out: str) -> None:
+    """Every case in turn in this one process group (a spawn costs seconds of imports apiece)."""
     import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    for case in sorted(CASES):
+        _stream_case(rank, case, checkpoints[CASES[case][1]], out)
+    dist.destroy_process_group()
+
+
+def _stream_case(rank: int, case: str, checkpoint: str, out: str) -> None:
     from megatron.core import parallel_state
 
     from relax_core.train.megatron import model as model_module
     from relax_core.train.megatron.checkpoint import SafetensorsCheckpoint
     from relax_core.train.megatron.weights import full_param_layout, load_into, stream_full_params
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     sizes, kind = CASES[case]
     parallel = MegatronParallel(**sizes)
     parallel_state.initialize_model_parallel(
@@ -67,7 +79,10 @@ def _worker(rank: int, port: int, case: str, checkpoint: str, out: str) -> None:
         **kwargs(*a, **k),
         **({"moe_token_dispatcher_type": "allgather"} if kind == "moe" else {}),
     }
-    model, _ = model_module.build_gpt(config, parallel, "float32", "local", 64, cpu_init=True)
+    try:
+        model, _ = model_module.build_gpt(config, parallel, "float32", "local", 64, cpu_init=True)
+    finally:
+        model_module.transformer_config_kwargs = kwargs
     reader = SafetensorsCheckpoint(checkpoint)
     asked: list[str] = []
     load_into(model, lambda name: asked.append(name) or reader(name), config, "local")
@@ -79,12 +94,11 @@ def _worker(rank: int, port: int, case: str, checkpoint: str, out: str) -> None:
         refs.append(weakref.ref(tensor))
         del tensor
         most_alive = max(most_alive, _settled_alive(refs))
-    path = os.path.join(out, f"rank{rank}")
+    path = os.path.join(out, f"{case}-rank{rank}")
     torch.save(got, path + ".pt")
     with open(path + ".json", "w") as f:
         json.dump({"asked": asked, "layout": layout, "most_alive": most_alive}, f)
     parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -102,17 +116,31 @@ def checkpoints(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def streamed(checkpoints, tmp_path_factory) -> str:
+    """Two ranks that load and stream back every case; the directory of what each rank got."""
+    out = tmp_path_factory.mktemp("streamed")
+    ranks = torch.multiprocessing.spawn(
+        _worker, (free_port("127.0.0.1"), checkpoints, str(out)), nprocs=2, join=False
+    )
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while not ranks.join(timeout=1.0):  # raises when a rank failed, with its traceback
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail(f"the two ranks did not end within {SPAWN_TIMEOUT_S:.0f} s")
+    return str(out)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_shards_load_and_stream_back_to_rank_0(case, checkpoints, tmp_path):
+def test_shards_load_and_stream_back_to_rank_0(case, streamed):
     _, kind = CASES[case]
     config, hf_state = _model(kind)
-    torch.multiprocessing.spawn(
-        _worker, (free_port("127.0.0.1"), case, checkpoints[kind], str(tmp_path)), nprocs=2
-    )
     full = {n: t.float() for n, t in hf_to_megatron(hf_state, config, spec="local").items()}
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    where = Path(streamed, case)
+    ranks = [json.loads(Path(f"{where}-rank{r}.json").read_text()) for r in (0, 1)]
+    got = [torch.load(f"{where}-rank{r}.pt", weights_only=True) for r in (0, 1)]
 
     # Rank 0 gets every full tensor, bit for bit, in the announced order; rank 1 gets none.
     assert list(got[0]) == [n for n, _, _ in ranks[0]["layout"]]
