@@ -52,7 +52,12 @@ class MlflowServer:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+        # No job runner: its four huey consumer processes serve nothing these tests use.
+        env = {
+            **os.environ,
+            "MLFLOW_DISABLE_TELEMETRY": "true",
+            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        }
         self.process = spawn_logged(self.command, self.log_path, env)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not http_ok(f"{self.uri}/health"):
