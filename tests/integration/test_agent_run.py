@@ -45,6 +45,7 @@ def _history(workdir, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["colocate", "async"])
 def test_an_openai_client_agent_trains_on_exactly_the_tokens_the_engine_sampled(
     small_config, workdir, mode

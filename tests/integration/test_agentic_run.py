@@ -70,6 +70,7 @@ def _model_spans(tok, row: dict) -> list[int]:
     return mask
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["colocate", "async"])
 def test_an_agentic_run_trains_on_model_turns_and_logs_episode_metrics(small_config, workdir, mode):
     extra = {"services": {"trainer_threads": 1, "poll_s": 0.002}} if mode == "async" else {}

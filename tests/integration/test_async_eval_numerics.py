@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.integration]
 KEYS = ("eval/accuracy", "eval/reward_mean", "eval/response_length", "eval/size")
 
 
+@pytest.mark.slow
 def test_the_async_trainers_eval_equals_the_colocate_engines_on_the_same_weights(tmp_path):
     cfg = run_config(
         tmp_path,

@@ -57,6 +57,7 @@ def _stop_mid_run(cfg_path: str, run_root: str, name: str, sig: int) -> tuple[di
     return read_state(find_resume_checkpoint(run_root, name)), out
 
 
+@pytest.mark.slow
 def test_killed_or_preempted_run_resumes_and_matches_an_undisturbed_run(small_config, workdir):
     train = {"total_steps": STEPS, "checkpoint_every": 4, "steps_per_node": STEPS}
     undisturbed = small_config("a.yaml", run_name="a", train=train)

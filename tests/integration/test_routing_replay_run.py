@@ -49,6 +49,7 @@ def test_moe_colocate_run_with_routing_replay_fills_routed_experts(small_config)
     _check_experts(rows, cfg.model.num_layers)
 
 
+@pytest.mark.slow
 def test_async_roles_record_and_replay_routed_experts(small_config, workdir):
     """Rollout engine, actor_fwd and trainer in their own processes, each with R3 attached."""
     path = small_config(

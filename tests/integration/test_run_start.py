@@ -83,6 +83,7 @@ def test_a_failed_start_ends_its_mlflow_run_failed(tmp_path):
     assert not os.path.exists(cfg.checkpoint.dir) or not os.listdir(cfg.checkpoint.dir)
 
 
+@pytest.mark.slow
 def test_the_launcher_runs_a_fresh_process_through_start_and_steps(tmp_path):
     """A whole run in a new process, where nothing imported mlflow before the MLflow run opens
     beside the step-0 eval."""

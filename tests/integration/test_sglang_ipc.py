@@ -39,6 +39,7 @@ class _Evil:
         return (print, ("unpickled",))
 
 
+@pytest.mark.slow
 def test_malformed_tensor_updates_are_refused_and_a_well_formed_one_loads(server):
     trainer, _ = tiny_policy(6)
     named = list(trainer.named_parameters())
@@ -67,6 +68,7 @@ def test_malformed_tensor_updates_are_refused_and_a_well_formed_one_loads(server
     assert SGLangEngine(server).refresh_version() == 6
 
 
+@pytest.mark.slow
 def test_tensor_updates_are_refused_by_a_server_with_data_parallel_replicas():
     with (
         fake_servers(1, "--dp-size", "2") as (client,),

@@ -120,6 +120,7 @@ def _held(client: SGLangClient) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------- the stand-in
+@pytest.mark.slow
 def test_a_server_without_enable_lora_refuses_adapters(tmp_path):
     model, tok = lora_policy(1)
     tensors = peft_tensors(adapter_of(model))
@@ -141,6 +142,7 @@ def test_a_server_without_enable_lora_refuses_adapters(tmp_path):
     assert out.returncode != 0 and "--max-lora-rank and --lora-target-modules" in out.stderr
 
 
+@pytest.mark.slow
 def test_the_stand_in_refuses_adapters_as_sglang_does(lora_server):
     client = lora_server
     model, tok = lora_policy(1)
@@ -227,6 +229,7 @@ def test_after_a_sync_the_server_samples_the_trainers_lora_policy(lora_server):
         unload_adapter(client, name)
 
 
+@pytest.mark.slow
 def test_a_request_whose_adapter_was_unloaded_meanwhile_goes_again_with_the_newest():
     with fake_servers(1, *LORA, "--step-delay-s", "0.05") as (client,):
         trainer, tok = lora_policy(3)
@@ -261,6 +264,7 @@ def test_a_request_whose_adapter_was_unloaded_meanwhile_goes_again_with_the_newe
         assert worst_gap(trainer, prompts, out) < 2e-5
 
 
+@pytest.mark.slow
 def test_a_server_with_data_parallel_replicas_is_refused_by_name():
     model, _ = lora_policy(4)
     named = adapter_of(model)
@@ -371,6 +375,7 @@ def test_an_async_lora_run_samples_with_the_adapter_of_each_version(
     assert {f"policy-v{v}" for v in range(4)} <= loaded
 
 
+@pytest.mark.slow
 def test_a_colocate_lora_run_samples_with_the_adapter_of_each_version(
     small_config, workdir, launches, monkeypatch
 ):

@@ -217,6 +217,7 @@ print(float(before.sum()), float(after.sum()), type(backend).__name__)
 """
 
 
+@pytest.mark.slow
 def test_the_fsdp_backend_trains_as_a_one_rank_trainer():
     out = subprocess.run(
         [sys.executable, "-c", FSDP_ONE_RANK], capture_output=True, text=True, cwd=REPO, timeout=120

@@ -225,6 +225,7 @@ def _counted_stream(specs: list[TensorSpec], alive: list[int], peak: list[int]):
         del tensor
 
 
+@pytest.mark.slow
 def test_a_stream_is_sent_holding_about_one_bucket_not_the_model():
     from relax_core.sync.buckets import stream_buckets
 

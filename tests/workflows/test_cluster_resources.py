@@ -121,6 +121,7 @@ def _env(container: dict) -> dict[str, dict]:
     return {e["name"]: e for e in container.get("env") or []}
 
 
+@pytest.mark.slow
 def test_a_cpu_config_asks_no_gpu_anywhere(packaged):
     tasks = packaged["cpu-default"]
     assert set(resources.TASKS) <= set(tasks)  # every task of tasks/rl.py and evaluate

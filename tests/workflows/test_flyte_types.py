@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from flytekit.core.context_manager import FlyteContextManager
 from flytekit.core.type_engine import DataclassTransformer, TypeEngine
 
@@ -102,6 +103,7 @@ def test_the_key_follows_the_source_of_the_module_defining_the_type(tmp_path, mo
         sys.modules.pop("summary_mod", None)  # the temporary module leaves with its directory
 
 
+@pytest.mark.slow
 def test_a_warm_cache_spares_a_process_mashumaros_schema_builder(tmp_path):
     """With every interface dataclass's type on disk, loading both workflows imports no JSON
     schema builder (0.25-0.33 s of every `pyflyte run` and task pod on 2 cores)."""
