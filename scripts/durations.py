@@ -26,10 +26,25 @@ def file_times(path: str) -> dict[str, tuple[float, int]]:
     return {name: (t, int(n)) for name, (t, n) in totals.items()}
 
 
+def outcomes(path: str) -> tuple[int, int, int]:
+    """(passed, failed or errored, skipped) test cases in a junit XML report."""
+    passed = failed = skipped = 0
+    for case in ET.parse(path).getroot().iter("testcase"):
+        kinds = {child.tag for child in case}
+        if kinds & {"failure", "error"}:
+            failed += 1
+        elif "skipped" in kinds:
+            skipped += 1
+        else:
+            passed += 1
+    return passed, failed, skipped
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("report")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--elapsed", type=float, help="the run's wall-clock seconds, to print")
     args = parser.parse_args()
     times = sorted(file_times(args.report).items(), key=lambda kv: -kv[1][0])
     total = sum(t for _, (t, _) in times)
@@ -37,6 +52,10 @@ def main() -> None:
     for name, (seconds, count) in times[: args.top]:
         print(f"{seconds:8.1f} s {100 * seconds / max(total, 1e-9):5.1f}% {count:5d} tests  {name}")
     print(f"{total:8.1f} s in all, summed over the workers")
+    if args.elapsed is not None:
+        print(f"tests: wall-clock {args.elapsed:.0f} s")
+    passed, failed, skipped = outcomes(args.report)
+    print(f"tests: {passed} passed, {failed} failed, {skipped} skipped")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export MLFLOW_DISABLE_TELEMETRY=true HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+started=$SECONDS
 work="$(mktemp -d)"
 export TMPDIR="$work"
 workers="${RELAX_TEST_WORKERS:-2}"
@@ -17,7 +18,9 @@ if [ "$workers" != "0" ]; then dist=(-n "$workers" --dist loadfile); fi
 python3 -m pytest -m "not gpu" -q --durations=25 "${dist[@]}" \
   --junitxml="$work/junit.xml" -o junit_family=xunit1 "$@"
 status=$?
-if [ -s "$work/junit.xml" ]; then python3 scripts/durations.py "$work/junit.xml"; fi
+if [ -s "$work/junit.xml" ]; then
+  python3 scripts/durations.py "$work/junit.xml" --elapsed "$((SECONDS - started))"
+fi
 if [ "$status" -ne 0 ] || [ -n "${RELAX_KEEP_TMP:-}" ]; then
   echo "temp files (pod logs, run dirs) kept in $work"
 else
