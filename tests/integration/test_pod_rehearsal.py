@@ -23,6 +23,7 @@ line) and runs plain processes on loopback, which still catches a local path han
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -59,6 +60,17 @@ def _config(cluster, name: str, **sections) -> dict:
     }
     data.setdefault("tracking", {})["progress"] = False
     return config_to_dict(config_from_dict(data))
+
+
+def _seed_policy(cluster, root: str, policy_dir: str) -> None:
+    """Put a prepared policy into the run's policy cache on the object store, its PREPARED
+    marker last, as the prepare_policy task publishes one: a pod then finds it there."""
+    from relax_core.run.prepare import MARKER
+
+    target = f"{root}/policies/{os.path.basename(policy_dir)}"
+    names = sorted(os.listdir(policy_dir), key=lambda name: name == MARKER)
+    for name in names:
+        cluster.watch.fs.put_file(os.path.join(policy_dir, name), f"{target}/{name}")
 
 
 def _logged_steps(tracking_uri: str, run_id: str, key: str) -> tuple[str, set[int]]:
@@ -166,9 +178,11 @@ def test_a_task_that_hands_on_a_local_path_fails_the_rehearsal(cluster) -> None:
 # --------------------------------------------------------------------------- the train workflow
 
 
+@pytest.mark.soak
+@pytest.mark.timeout(900)  # a whole run in pods, the warm start included
 @pytest.mark.integration
 @pytest.mark.slow
-def test_colocate_run_in_pods_survives_a_killed_rl_steps_pod(cluster) -> None:
+def test_colocate_run_in_pods_survives_a_killed_rl_steps_pod(cluster, cpu_default_policies) -> None:
     from workflows.train import train
 
     total = 30
@@ -178,6 +192,10 @@ def test_colocate_run_in_pods_survives_a_killed_rl_steps_pod(cluster) -> None:
         train={"total_steps": total, "steps_per_node": 15, "checkpoint_every": 5, "eval_every": 0},
     )
     root = cluster.storage_root(ROOT_PREFIX)
+    # The CPU default's warm start, prepared once for the whole suite (tests/policies.py), is in
+    # the run's policy cache: the prepare_policy pod finds it, as a second run on a cluster
+    # would. The async run below prepares its own in a pod (a cache miss).
+    _seed_policy(cluster, root, cpu_default_policies[1])
     rehearsal = cluster.rehearsal(root, faults=[kill_after("rl_steps", newer_checkpoint())])
     result = rehearsal.run(train, {"cfg": cfg})
 
@@ -201,6 +219,8 @@ def test_colocate_run_in_pods_survives_a_killed_rl_steps_pod(cluster) -> None:
     assert cluster.watch.fs.find(f"{cluster.bucket}/mlflow"), "no model files in the object store"
 
 
+@pytest.mark.soak
+@pytest.mark.timeout(900)  # a whole run in pods, the warm start included
 @pytest.mark.integration
 @pytest.mark.slow
 def test_async_tasks_run_in_pods_survives_a_killed_trainer_and_audits_clean(cluster) -> None:
@@ -212,6 +232,9 @@ def test_async_tasks_run_in_pods_survives_a_killed_trainer_and_audits_clean(clus
         "cpu-async.yaml",
         train={"total_steps": total, "checkpoint_every": 5, "eval_every": 0},
         data={"eval_size": 128},  # no accuracy claim here: a shorter eval
+        # A short warm start of its own: its policy is not in the cache, so the prepare_policy
+        # pod builds it and publishes it to the object store (the colocate run's was seeded).
+        warm_start={"steps": 10, "target_accuracy": 0.0, "target_per_length": False},
         rollout={"groups_per_step": groups},
         services={"launch": "tasks"},
     )
@@ -236,6 +259,10 @@ def test_async_tasks_run_in_pods_survives_a_killed_trainer_and_audits_clean(clus
     assert audit["lost_groups"] == 0 and audit["duplicated_groups"] == 0, audit
     assert audit["trained_groups"] == total * groups, audit
     assert audit["trained_but_never_generated"] == 0, audit
+    [policy] = [r.outputs["o0"] for r in result.pods_of("prepare_policy")]
+    assert policy.startswith(f"{root}/policies/") and cluster.watch.exists(
+        f"{policy}/model.safetensors"
+    )
     status, logged = cluster.on_ctl(
         _logged_steps, cluster.tracking_uri, summary["mlflow_run_id"], "train/reward_mean"
     )
