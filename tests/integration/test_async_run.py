@@ -29,6 +29,25 @@ from relax_core.train.checkpoint import find_resume_checkpoint, read_state
 
 pytestmark = pytest.mark.integration
 
+
+def _native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+# With native bf16 dot products (AVX512-BF16, AMX) the CPU's matmul kernels accumulate in an order
+# that follows the batch's shape, so an engine's decode step and the trainer's forward of the same
+# rows agree to bf16 rounding, not bit for bit (on an AMD EPYC with AVX512-BF16, 2026-12-06: a
+# colocate mismatch/kl of 2.7e-6 and float32 masters 2.5e-6 apart after 4 steps); where bf16 is
+# emulated they agree exactly. A role computing in float32 instead is off by far more.
+NATIVE_BF16 = _native_bf16()
+BF16_ATOL = 1e-5 if NATIVE_BF16 else 1e-6
+BF16_KL = 1e-5 if NATIVE_BF16 else 1e-7
+BF16_LOGPROB = 1e-3 if NATIVE_BF16 else 1e-6  # per token (2e-4 seen there)
 ASYNC = {"mode": "async", "services": {"trainer_threads": 1, "poll_s": 0.002, "heartbeat_s": 0.2}}
 
 
@@ -118,7 +137,7 @@ def test_a_bf16_policy_trains_on_float32_master_weights_in_both_modes(small_conf
     c_master = load_file(os.path.join(c_ckpt, MASTER_WEIGHTS_FILE))
     a_master = load_file(os.path.join(a_ckpt, MASTER_WEIGHTS_FILE))
     for name, weight in c_master.items():
-        torch.testing.assert_close(a_master[name], weight, rtol=0, atol=1e-6)
+        torch.testing.assert_close(a_master[name], weight, rtol=0, atol=BF16_ATOL)
 
 
 def test_bf16_matmuls_in_async_roles_compute_as_the_trainer(small_config, workdir):
@@ -139,19 +158,19 @@ def test_bf16_matmuls_in_async_roles_compute_as_the_trainer(small_config, workdi
     assert read_state(a_ckpt)["policy_version"] == 4
     for ckpt in (c_ckpt, a_ckpt):
         gaps = _metrics(workdir, read_state(ckpt)["tracking_run_id"], "mismatch/kl")
-        assert len(gaps) == 4 and max(abs(g) for g in gaps) < 1e-7, (ckpt, gaps)
+        assert len(gaps) == 4 and max(abs(g) for g in gaps) < BF16_KL, (ckpt, gaps)
     queue = TransferQueue(".relax/queue", read_state(a_ckpt)["run_id"])
     ready = [queue.read("ready", seq) for seq in queue.committed("ready")]
     for step, table in enumerate(ready):
         rollout = _flat(table, "rollout_logprobs")
-        assert _flat(table, "old_logprobs").sub(rollout).abs().max() < 1e-6
+        assert _flat(table, "old_logprobs").sub(rollout).abs().max() < BF16_LOGPROB
         if step == 0:
-            assert _flat(table, "ref_logprobs").sub(rollout).abs().max() < 1e-6
+            assert _flat(table, "ref_logprobs").sub(rollout).abs().max() < BF16_LOGPROB
     c_weights = load_file(os.path.join(c_ckpt, "model.safetensors"))
     a_weights = load_file(os.path.join(a_ckpt, "model.safetensors"))
     assert {t.dtype for t in a_weights.values()} == {torch.float32}
     for name in c_weights:
-        torch.testing.assert_close(a_weights[name], c_weights[name], rtol=0, atol=1e-6)
+        torch.testing.assert_close(a_weights[name], c_weights[name], rtol=0, atol=BF16_ATOL)
 
 
 def _flat(table, column: str) -> torch.Tensor:
