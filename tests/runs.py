@@ -75,12 +75,7 @@ def stacks_of_children(timeout_s: float) -> str:
     stderr where that is a file (a run's logs). Nothing is killed: the test's own teardown
     stops what it started."""
     pids = [p for p in _tree(os.getpid()) if p != os.getpid() and running(p)]
-    asked = [p for p in pids if _ours(p)]
-    for pid in asked:  # one at a time: processes may share one stderr
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGUSR1)
-        time.sleep(0.3)
-    time.sleep(1.0 if asked else 0.0)
+    asked = _ask_for_stacks(pids)
     lines = [f"the test ran past its bound of {timeout_s:.0f} s (pytest-timeout)"]
     here = threading.get_ident()
     for ident, frame in sys._current_frames().items():
@@ -151,14 +146,22 @@ def _read(path: str) -> str:
         return f.read()
 
 
+def _ask_for_stacks(pids: list[int]) -> list[int]:
+    """SIGUSR1 to each of `pids` that dumps its stacks on it, one at a time (a trainer's ranks
+    share one stderr), and time for the dumps to reach stderr and the logs; those asked."""
+    asked = [pid for pid in pids if _ours(pid)]
+    for pid in asked:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+        time.sleep(0.5)
+    if asked:
+        time.sleep(2.0)
+    return asked
+
+
 def _dump_and_kill(pids: list[int]) -> None:
-    """SIGUSR1 to each of the run's `pids` in turn (their stacks to their logs), then SIGKILL."""
-    for pid in pids:
-        if _ours(pid):  # one at a time: a trainer's ranks share one stderr
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGUSR1)
-            time.sleep(0.5)
-    time.sleep(2.0)  # the dumps reach stderr and the logs
+    """The stacks of the run's `pids` to their logs (_ask_for_stacks), then SIGKILL."""
+    _ask_for_stacks(pids)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

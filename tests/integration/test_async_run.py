@@ -24,19 +24,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from relax_core.models.precision import cpu_has_native_bf16
 from relax_core.queue import AdmissionLedger, TransferQueue
 from relax_core.train.checkpoint import find_resume_checkpoint, read_state
 
 pytestmark = pytest.mark.integration
-
-
-def _native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(f.read().split())
-    except OSError:
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 # With native bf16 dot products (AVX512-BF16, AMX) the CPU's matmul kernels accumulate in an order
@@ -44,7 +36,7 @@ def _native_bf16() -> bool:
 # rows agree to bf16 rounding, not bit for bit (on an AMD EPYC with AVX512-BF16, 2026-12-06: a
 # colocate mismatch/kl of 2.7e-6 and float32 masters 2.5e-6 apart after 4 steps); where bf16 is
 # emulated they agree exactly. A role computing in float32 instead is off by far more.
-NATIVE_BF16 = _native_bf16()
+NATIVE_BF16 = cpu_has_native_bf16()
 BF16_ATOL = 1e-5 if NATIVE_BF16 else 1e-6
 BF16_KL = 1e-5 if NATIVE_BF16 else 1e-7
 BF16_LOGPROB = 1e-3 if NATIVE_BF16 else 1e-6  # per token (2e-4 seen there)
