@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-import time
+import math
 
 import fsspec
 import pyarrow as pa
@@ -18,10 +18,12 @@ from relax_core.queue import (
     StorageError,
     StorageUnavailable,
     TransferQueue,
+    claims,
     rows_to_table,
     table_to_rows,
     with_columns,
 )
+from relax_core.queue import store as object_store
 from relax_core.queue.retry import DEFAULT_OUTAGE_LIMIT_S, set_outage_limit
 from relax_core.queue.store import ObjectStore
 from tests.unit.test_queue import _group_rows
@@ -183,14 +185,44 @@ def test_two_workers_split_a_stage_and_each_entry_is_output_once(tmp_path) -> No
     assert sorted(groups) == sorted(f"p{i}-g0" for i in range(6))
 
 
-def test_expired_lease_is_taken_over_and_the_late_worker_cannot_add_a_copy(tmp_path) -> None:
+class Clock:
+    """Seconds that pass only when the test says so: lease expiry and outage limits are decided
+    by the code's clock, not by how fast a loaded machine gets from one line to the next. Kept
+    in whole microseconds, and a sleep takes at least one, as a real sleep does (a float clock
+    could stop short of a limit by a rounding error and never reach it)."""
+
+    def __init__(self) -> None:
+        self.micros = 10**12
+
+    def advance(self, seconds: float) -> None:
+        self.micros += max(1, math.ceil(seconds * 1e6))
+
+    def time(self) -> float:
+        return self.micros / 1e6
+
+    monotonic = time
+    sleep = advance
+
+
+@pytest.fixture
+def lease_clock(monkeypatch) -> Clock:
+    """The clock the leases of relax_core/queue/claims.py read."""
+    clock = Clock()
+    monkeypatch.setattr(claims, "time", clock)
+    return clock
+
+
+def test_expired_lease_is_taken_over_and_the_late_worker_cannot_add_a_copy(
+    tmp_path, lease_clock
+) -> None:
     queue = TransferQueue(str(tmp_path), "run")
     queue.put("rollout", rows_to_table(_group_rows(1, 2)))
-    slow = StageWorker(queue, "rollout", "ref", "slow", lease_ttl_s=0.2)
+    slow = StageWorker(queue, "rollout", "ref", "slow", lease_ttl_s=20)
     other = StageWorker(queue, "rollout", "ref", "other", lease_ttl_s=60)
     held = slow.claim_next()
+    lease_clock.advance(19)
     assert other.claim_next() is None  # lease still valid
-    time.sleep(0.3)
+    lease_clock.advance(2)
     taken = other.claim_next()
     assert (taken.seq, taken.attempt, other.taken_over) == (0, 1, 1)
     table = _add_ref(queue.read("rollout", 0))
@@ -212,16 +244,19 @@ def test_a_restarted_worker_takes_its_dead_predecessors_lease_at_once(tmp_path) 
     assert restarted.claim_next() is None  # its own live lease is not taken over again
 
 
-def test_renewed_lease_is_not_taken_over(tmp_path) -> None:
+def test_renewed_lease_is_not_taken_over_and_one_left_to_expire_is(tmp_path, lease_clock) -> None:
     queue = TransferQueue(str(tmp_path), "run")
     queue.put("rollout", rows_to_table(_group_rows(1, 2)))
-    holder = StageWorker(queue, "rollout", "ref", "h", lease_ttl_s=0.3)
-    other = StageWorker(queue, "rollout", "ref", "o", lease_ttl_s=0.3)
+    holder = StageWorker(queue, "rollout", "ref", "h", lease_ttl_s=30)
+    other = StageWorker(queue, "rollout", "ref", "o", lease_ttl_s=30)
     lease = holder.claim_next()
-    for _ in range(3):
-        time.sleep(0.15)
+    for _ in range(3):  # 60 s in all, twice the TTL, renewed every 20 s
+        lease_clock.advance(20)
         lease = holder.renew(lease)
         assert other.claim_next() is None
+    lease_clock.advance(31)  # the holder stopped renewing
+    taken = other.claim_next()
+    assert (taken.seq, taken.attempt, other.taken_over) == (0, 1, 1)
 
 
 def test_worker_turns_a_quarantined_input_into_a_tombstone(tmp_path) -> None:
@@ -351,18 +386,25 @@ def test_an_outage_within_the_limit_is_waited_out_and_said_in_the_log(caplog) ->
     assert "answers again" in said[-1]
 
 
-def test_an_outage_past_the_limit_stops_with_the_limit_named() -> None:
+def test_an_outage_past_the_limit_stops_with_the_limit_named(monkeypatch) -> None:
+    clock = Clock()
+    monkeypatch.setattr(object_store, "time", clock)  # a poll's sleep takes what it asks for
     retry = RetryPolicy(attempts=2, base_delay_s=0.001, outage_limit_s=0.1, outage_poll_s=0.01)
-    store = ObjectStore("memory-flaky://outage-2", retry=retry)
+    flaky = ObjectStore("memory-flaky://outage-2", retry=retry)
+    start = clock.time()
     _FlakyFS.failures = 10_000
     try:
         with pytest.raises(
             StorageUnavailable,
-            match=r"memory-flaky://outage-2/a unreachable for [\d.]+ s, past "
+            match=r"memory-flaky://outage-2/a unreachable for 0.1 s, past "
             r"storage.outage_limit_s = 0.1 s, writing",
         ):
-            store.write_immutable("a", b"x")
-        assert 10 <= store.retries_used < 1000  # it kept trying, every outage_poll_s
+            flaky.write_immutable("a", b"x")
+        # It kept trying every outage_poll_s until the limit: 1 quick retry, then 0.1 / 0.01 = 10
+        # polls, the last cut to what was left of the limit (one more of a microsecond where
+        # the float subtraction lands a hair short of it).
+        assert flaky.retries_used in (11, 12), flaky.retries_used
+        assert 0.1 <= clock.time() - start < 0.1 + 0.01
     finally:
         _FlakyFS.failures = 0
 
