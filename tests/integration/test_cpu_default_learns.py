@@ -14,6 +14,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.soak
+@pytest.mark.timeout(
+    900
+)  # its own warm start and 200 steps: 54 s in a CI-like run, 300+ s under heavy load
 def test_cpu_default_raises_held_out_accuracy(workdir):
     cfg = load_config(os.path.join(REPO, "configs", "cpu-default.yaml"))
     cfg = replace(
