@@ -59,6 +59,30 @@ def pytest_timeout_set_timer(item, settings):
     return True
 
 
+@pytest.fixture(autouse=True)
+def process_state_kept():
+    """What a test changes in its worker process does not reach the next test: the environment
+    (a run's AWS credentials, the MASTER_PORT an in-process trainer sets), torch's thread count
+    and deterministic kernels (a run sets train.torch_threads and train.deterministic)."""
+    import torch
+    import torch.utils.deterministic
+
+    env = dict(os.environ)
+    threads = torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    yield
+    for key in set(os.environ) - set(env):
+        del os.environ[key]
+    for key, value in env.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
     """Run in a fresh directory that sees the repo's datasets/ and keeps flytekit's temp files."""
