@@ -27,8 +27,23 @@ def _record(path: str, item: dict) -> None:
         os.fsync(f.fileno())
 
 
+def _ready_then_wait(args: argparse.Namespace) -> None:
+    """Say this process is up (`{record}.ready`), then wait for the test's go (`--go`), so every
+    actor starts at once, whatever its start-up took, and they race."""
+    if not args.go:
+        return
+    with open(f"{args.record}.ready", "w"):
+        pass
+    deadline = time.monotonic() + args.go_timeout
+    while not os.path.exists(args.go):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no go ({args.go}) within {args.go_timeout} s")
+        time.sleep(0.01)
+
+
 def produce(args: argparse.Namespace) -> None:
     queue = _queue(args)
+    _ready_then_wait(args)
     for e in range(args.entries):
         rows = [
             {
@@ -50,6 +65,7 @@ def produce(args: argparse.Namespace) -> None:
 def consume(args: argparse.Namespace) -> None:
     queue = _queue(args)
     worker = StageWorker(queue, "rollout", "ref", args.worker, lease_ttl_s=args.ttl)
+    _ready_then_wait(args)
     claimed = 0
     while True:
         progressed = False
@@ -83,6 +99,8 @@ def main() -> None:
     parser.add_argument("--worker", default="c0")
     parser.add_argument("--ttl", type=float, default=3.0)
     parser.add_argument("--hang-after", type=int, default=0)
+    parser.add_argument("--go", default="", help="start once this file exists")
+    parser.add_argument("--go-timeout", type=float, default=300.0)
     args = parser.parse_args()
     produce(args) if args.role == "produce" else consume(args)
 

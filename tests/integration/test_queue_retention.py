@@ -20,6 +20,10 @@ pytestmark = pytest.mark.integration
 
 ENTRY_PREFIXES = ("log", "data", "claims")
 """Where a run's entries live (each step adds objects here); the rest is small metadata."""
+STEPS = 10
+"""Steps of the bounded run: 4 pruning passes after the window is full (step 3)."""
+ROUNDS = 8
+"""Steps of the race: a pruning pass after each, deleting what a reader is reading."""
 
 
 @pytest.fixture(params=["moto_s3", "seaweed_s3"], ids=["moto", "seaweedfs"])
@@ -46,27 +50,31 @@ def test_a_pruned_queue_stays_bounded_and_a_kept_one_grows(server):
     kept = _queue(server, f"{run_id}-keep")
     shapes = {"prune": RunShape(pruned), "keep": RunShape(kept, retention="keep")}
     counts: dict[str, list[int]] = {"prune": [], "keep": []}
-    for _ in range(24):
+    for _ in range(STEPS):
         for name, shape in shapes.items():
             shape.step()
             counts[name].append(_count(shape.queue))
     # 5 entry objects per step (2 records, 2 payloads, a claim). Pruned after each checkpoint
-    # (every 2 steps, 2 kept): 3 steps at most. Kept: all of them.
-    assert max(counts["prune"]) == 15 and counts["prune"][-4:] == [15, 10, 15, 10]
-    assert counts["keep"][-1] == 24 * 5
-    audit = audit_run(pruned, shapes["prune"].state(24))
+    # (every 2 steps, 2 kept): 3 steps at most, from step 3 on. Kept: all of them.
+    assert counts["prune"][:3] == [5, 10, 15] and max(counts["prune"]) == 15
+    assert counts["prune"][-4:] == [15, 10, 15, 10]
+    assert counts["keep"] == [5 * (step + 1) for step in range(STEPS)]
+    # Deleted: every entry but the last 2 steps' (2 groups each).
+    audit = audit_run(pruned, shapes["prune"].state(STEPS))
     assert audit["lost_groups"] == audit["duplicated_groups"] == 0, audit
-    assert audit["generated_groups"] == audit["trained_groups"] == 48
-    assert audit["pruned_entries"] == 22 and audit["pruned_groups"] == 44
-    assert audit_run(kept, shapes["keep"].state(24))["pruned_groups"] == 0
+    assert audit["generated_groups"] == audit["trained_groups"] == 2 * STEPS
+    assert audit["pruned_entries"] == STEPS - 2 and audit["pruned_groups"] == 2 * (STEPS - 2)
+    assert audit_run(kept, shapes["keep"].state(STEPS))["pruned_groups"] == 0
     stages = summarize(pruned)["stages"]
-    assert stages["rollout"]["pruned"]["entries"] == stages["ready"]["pruned"]["entries"] == 22
+    assert stages["rollout"]["pruned"]["entries"] == stages["ready"]["pruned"]["entries"]
+    assert stages["rollout"]["pruned"]["entries"] == STEPS - 2
 
 
 def test_readers_racing_deletions_lose_and_quarantine_nothing(server):
     run_id = f"race-{time.time_ns()}"
     run = RunShape(_queue(server, run_id), every=1, keep=1, keep_versions=0)
     stop, failures, reads = threading.Event(), [], {"entries": 0, "gone": 0}
+    reading = threading.Event()  # the reader is reading an entry's payload
 
     def watch() -> None:
         """Read the oldest entries, the next a pass deletes, over and over until they are gone
@@ -77,6 +85,7 @@ def test_readers_racing_deletions_lose_and_quarantine_nothing(server):
 
         def slow_payloads(path: str) -> bytes:
             if path.startswith("data/"):
+                reading.set()
                 time.sleep(0.02)
             return read_bytes(path)
 
@@ -112,19 +121,24 @@ def test_readers_racing_deletions_lose_and_quarantine_nothing(server):
     for t in threads:
         t.start()
     try:
-        for _ in range(30):
+        for _ in range(ROUNDS):
             run.generate()
             run.transform()
+            # The reader is back at the oldest entry, which the pass below deletes under it.
+            reading.clear()
+            assert reading.wait(120), f"the reader stopped reading: {failures}"
             run.train()  # a checkpoint every step: a pass deletes the step before
     finally:
         stop.set()
         for t in threads:
             t.join(60)
     assert failures == []
-    assert reads["gone"] >= 5 and reads["entries"] >= 10  # the reader did race the passes
+    # Each pass but the first deleted what the reader was reading (the last may end it first).
+    assert reads["gone"] >= ROUNDS - 2 and reads["entries"] >= 10, reads
     queue = run.queue
     assert all(queue.quarantined(stage) == [] for stage in STAGES)
-    audit = audit_run(queue, run.state(30))
+    audit = audit_run(queue, run.state(ROUNDS))
     assert audit["lost_groups"] == audit["duplicated_groups"] == 0, audit
-    assert audit["trained_groups"] == audit["generated_groups"] == 60
-    assert audit["trained_but_never_generated"] == 0 and audit["pruned_entries"] == 29
+    assert audit["trained_groups"] == audit["generated_groups"] == 2 * ROUNDS  # 2 groups a step
+    # A pass after every step but the first, each deleting the step before.
+    assert audit["trained_but_never_generated"] == 0 and audit["pruned_entries"] == ROUNDS - 1

@@ -1,6 +1,8 @@
 """The same config and seed on the same machine give the same run bit for bit: every train/*,
-eval/* and mismatch/* metric at every step, and the final weights. Each run is its own process
-with its own PYTHONHASHSEED; the second reuses the policy the first prepared, as reruns do.
+eval/* and mismatch/* metric at every step, and the final weights. The first run of a pair runs
+in this process (`lifecycle.run`, what `python -m relax_core.entrypoints.run` calls), after
+whatever this process ran before; the second is a process of its own with another
+PYTHONHASHSEED. Every run reuses the policy the first of this module prepared, as reruns do.
 
 The CPU default's model, data and RL settings, with a short warm start and a few steps: enough
 for a divergence to show, since gradients that differ in their last bit at step 1 already give
@@ -16,9 +18,12 @@ import sys
 
 import mlflow
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file
 
+from relax_core.config import load_config
+from relax_core.run.lifecycle import run
 from relax_core.train.checkpoint import find_resume_checkpoint, read_state
 
 pytestmark = pytest.mark.integration
@@ -27,7 +32,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 COMPARED = ("train/", "eval/", "mismatch/")
 
 
-def _config(workdir, base: str, name: str, steps: int, **sections) -> str:
+@pytest.fixture(scope="module")
+def policy_cache(tmp_path_factory) -> str:
+    """One warm start for both tests: the two configs' starting policies are the same one."""
+    return str(tmp_path_factory.mktemp("repro-policies"))
+
+
+def _config(workdir, policies: str, base: str, name: str, steps: int, **sections) -> str:
     with open(os.path.join(REPO, "configs", base)) as f:
         cfg = yaml.safe_load(f)
     cfg["run_name"] = name
@@ -43,6 +54,7 @@ def _config(workdir, base: str, name: str, steps: int, **sections) -> str:
         steps_per_node=steps,
         torch_threads=2,
     )
+    cfg.setdefault("checkpoint", {})["policy_cache_dir"] = policies
     cfg["tracking"] = {
         "experiment": "repro",
         "tracking_uri": f"sqlite:///{workdir}/mlflow.db",
@@ -55,7 +67,22 @@ def _config(workdir, base: str, name: str, steps: int, **sections) -> str:
     return str(path)
 
 
-def _run(cfg_path: str, hash_seed: str) -> None:
+def _run_here(cfg_path: str) -> None:
+    """The run in this process; the torch settings it makes for itself are undone after."""
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    try:
+        run(load_config(cfg_path))
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def _run(cfg_path: str) -> None:
+    """The run in a process of its own, with a hash seed other than this process's."""
+    ours = os.environ.get("PYTHONHASHSEED", "")
+    hash_seed = str(int(ours) + 1) if ours.isdigit() else "1"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONHASHSEED": hash_seed}
     proc = subprocess.run(
         [sys.executable, "-m", "relax_core.entrypoints.run", "--cfg", cfg_path],
@@ -99,16 +126,16 @@ def _assert_same_run(workdir, steps: int) -> None:
         assert weights_b[name].equal(tensor), name
 
 
-def test_colocate_runs_repeat_bit_for_bit(workdir):
+def test_colocate_runs_repeat_bit_for_bit(workdir, policy_cache):
     """configs/cpu-default.yaml as it ships (train.deterministic on)."""
-    steps = 4
-    _run(_config(workdir, "cpu-default.yaml", "a", steps), hash_seed="1")
-    _run(_config(workdir, "cpu-default.yaml", "b", steps), hash_seed="2")
+    steps = 3
+    _run_here(_config(workdir, policy_cache, "cpu-default.yaml", "a", steps))
+    _run(_config(workdir, policy_cache, "cpu-default.yaml", "b", steps))
     _assert_same_run(workdir, steps)
 
 
 @pytest.mark.slow  # three role processes per run: about a minute for both on 2 cores
-def test_async_runs_at_staleness_zero_repeat_bit_for_bit(workdir):
+def test_async_runs_at_staleness_zero_repeat_bit_for_bit(workdir, policy_cache):
     """configs/cpu-async.yaml made strict on-policy, with train.deterministic."""
     steps = 3
     on_policy = {
@@ -116,6 +143,6 @@ def test_async_runs_at_staleness_zero_repeat_bit_for_bit(workdir):
         "train": {"deterministic": True},
         "services": {"poll_s": 0.002, "heartbeat_s": 0.2},
     }
-    for name, hash_seed in (("a", "1"), ("b", "2")):
-        _run(_config(workdir, "cpu-async.yaml", name, steps, **on_policy), hash_seed)
+    _run_here(_config(workdir, policy_cache, "cpu-async.yaml", "a", steps, **on_policy))
+    _run(_config(workdir, policy_cache, "cpu-async.yaml", "b", steps, **on_policy))
     _assert_same_run(workdir, steps)
