@@ -1,15 +1,19 @@
 """FSDP2 backend on 2 CPU ranks (gloo) against the single-process torch backend.
 
-Two training steps over the same 5 micro-batches (rank 0 takes 3, rank 1 takes 2 and one
-zero-weighted pad) must give the weights and metrics one process gives, and a checkpoint saved
-after step 1 and resumed in fresh processes must make the same step 2 as running on.
+Three policies: float32; bf16 on float32 master weights; LoRA (a bf16 base under float32
+adapters). For each, two training steps over the same 5 micro-batches (rank 0 takes 3, rank 1
+takes 2 and one zero-weighted pad) must give the weights and metrics one process gives, and a
+checkpoint saved after step 1 and resumed in fresh processes must make the same step 2 as running
+on. One pair of rank processes trains all three policies and a second, fresh pair resumes them
+(the module's `ranks` fixture); each test reads what its policy left.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
+import signal
+import time
 
 import pytest
 import torch
@@ -22,12 +26,18 @@ from relax_core.models.tiny import build_tiny_qwen3
 from relax_core.train.batch import MicroBatch, make_micro_batch
 from relax_core.train.fsdp import decoder_layers
 from relax_core.train.torch_backend import build_backend
+from tests.s3servers import free_ports
 
 SMALL = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
 VOCAB = 64
 TRAIN = TrainConfig(lr=1e-3, grad_clip=1.0, warmup_steps=2)
 LORA_TARGETS = "q_proj,v_proj,down_proj"
 ROWS = [3, 1, 2, 2, 1]  # rows per micro-batch: uneven, so the metrics' row weighting matters
+# Each policy the ranks train: (bf16, lora), as _train_policy takes them.
+POLICIES = {"float32": (False, False), "bf16": (True, False), "lora": (True, True)}
+# One spawn (two rank processes importing torch and transformers, three policies) took 8 s on
+# an idle 2-core machine and 70 s under a load of 20; both stay inside the test's bound (300 s).
+SPAWN_TIMEOUT_S = 120.0
 
 
 def _micro_batches(step: int) -> list[MicroBatch]:
@@ -68,12 +78,6 @@ def _loss_fn(mbs: list[MicroBatch]):
     return loss_fn
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _lora_policy(bf16: bool):
     """The tiny policy as a LoRA run trains it: the base in bf16 (`bf16`) or float32, frozen,
     with float32 rank-4 adapters."""
@@ -84,82 +88,123 @@ def _lora_policy(bf16: bool):
     return attach_lora(model, 4, 8.0, 0.0, LORA_TARGETS, seed=0)
 
 
-def _rank_main(
-    rank: int, port: int, out: str, resume: bool, bf16: bool = False, lora: bool = False
-) -> None:
-    """One FSDP rank: steps 1 and 2 (saving after step 1), or step 2 resumed from that save;
-    `bf16`: a bf16 policy on float32 master weights (FSDP2 mixed precision), or with `lora` a
-    bf16 base under float32 adapters."""
+def _rank_main(rank: int, port: int, out: str, resume: bool) -> None:
+    """One FSDP rank of a fresh pair: each policy of POLICIES in turn, under `out`/<policy>."""
+    import faulthandler
+
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
 
-    from relax_core.train.fsdp import build_fsdp_backend
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # _spawn asks for stacks past time
+    torch.set_num_threads(1)  # this rank process's own: two ranks share the machine's cores
+    init = f"tcp://127.0.0.1:{port}"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
-        ckpt = os.path.join(out, "ckpt")
-        if resume:
-            dtype = torch.bfloat16 if lora and bf16 else torch.float32
-            model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)
-            if lora:
-                load_adapter(model, ckpt)
-        elif lora:
-            model = _lora_policy(bf16)
-        else:
-            model = build_tiny_qwen3(SMALL, VOCAB, seed=0)
-            if bf16:  # parameters as loaded from a bf16 policy (buffers stay float32)
-                with torch.no_grad():
-                    for param in model.parameters():
-                        param.copy_(param.to(torch.bfloat16))
-        compute = torch.bfloat16 if bf16 else None
-        backend = build_fsdp_backend(model, TRAIN, temperature=0.9, compute_dtype=compute)
-        if resume:
-            backend.load(ckpt)
-        metrics = {}
-        for step in (1, 2):
-            if resume and step == 1:
-                continue
-            mbs = _micro_batches(step)
-            if step == 1:
-                logps = backend.logprobs(mbs)
-            metrics[step] = backend.train_step(mbs, _loss_fn(mbs))
-            if step == 1:
-                backend.save(ckpt)
-        weights = {n: w.clone() for n, w in backend.named_weights()}
-        if lora:  # the KL reference of a LoRA run: the sharded policy with its adapters off
-            with adapters_disabled(backend.model):
-                base = backend.logprobs(_micro_batches(1))
-            trained = backend.logprobs(_micro_batches(1))
-        if rank == 0 and lora:
-            save_file({str(i): t for i, t in enumerate(base)}, os.path.join(out, "base.st"))
-            save_file({str(i): t for i, t in enumerate(trained)}, os.path.join(out, "on.st"))
-        if rank == 0:
-            tag = "resumed" if resume else "fsdp"
-            save_file(weights, os.path.join(out, f"{tag}.safetensors"))
-            with open(os.path.join(out, f"{tag}.json"), "w") as f:
-                json.dump(metrics, f)
-            if not resume:
-                save_file(
-                    {str(i): t for i, t in enumerate(logps)}, os.path.join(out, "logps.safetensors")
-                )
+        for name, (bf16, lora) in POLICIES.items():
+            os.makedirs(os.path.join(out, name), exist_ok=True)
+            _train_policy(rank, os.path.join(out, name), resume, bf16, lora)
     finally:
         dist.destroy_process_group()
 
 
-def _spawn(out: str, resume: bool, bf16: bool = False, lora: bool = False) -> None:
+def _train_policy(rank: int, out: str, resume: bool, bf16: bool, lora: bool) -> None:
+    """One FSDP rank: steps 1 and 2 (saving after step 1), or step 2 resumed from that save;
+    `bf16`: a bf16 policy on float32 master weights (FSDP2 mixed precision), or with `lora` a
+    bf16 base under float32 adapters."""
+    from transformers import AutoModelForCausalLM
+
+    from relax_core.train.fsdp import build_fsdp_backend
+
+    ckpt = os.path.join(out, "ckpt")
+    if resume:
+        dtype = torch.bfloat16 if lora and bf16 else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)
+        if lora:
+            load_adapter(model, ckpt)
+    elif lora:
+        model = _lora_policy(bf16)
+    else:
+        model = build_tiny_qwen3(SMALL, VOCAB, seed=0)
+        if bf16:  # parameters as loaded from a bf16 policy (buffers stay float32)
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.copy_(param.to(torch.bfloat16))
+    compute = torch.bfloat16 if bf16 else None
+    backend = build_fsdp_backend(model, TRAIN, temperature=0.9, compute_dtype=compute)
+    if resume:
+        backend.load(ckpt)
+    metrics = {}
+    for step in (1, 2):
+        if resume and step == 1:
+            continue
+        mbs = _micro_batches(step)
+        if step == 1:
+            logps = backend.logprobs(mbs)
+        metrics[step] = backend.train_step(mbs, _loss_fn(mbs))
+        if step == 1:
+            backend.save(ckpt)
+    weights = {n: w.clone() for n, w in backend.named_weights()}
+    if lora:  # the KL reference of a LoRA run: the sharded policy with its adapters off
+        with adapters_disabled(backend.model):
+            base = backend.logprobs(_micro_batches(1))
+        trained = backend.logprobs(_micro_batches(1))
+    if rank == 0 and lora:
+        save_file({str(i): t for i, t in enumerate(base)}, os.path.join(out, "base.st"))
+        save_file({str(i): t for i, t in enumerate(trained)}, os.path.join(out, "on.st"))
+    if rank == 0:
+        tag = "resumed" if resume else "fsdp"
+        save_file(weights, os.path.join(out, f"{tag}.safetensors"))
+        with open(os.path.join(out, f"{tag}.json"), "w") as f:
+            json.dump(metrics, f)
+        if not resume:
+            save_file(
+                {str(i): t for i, t in enumerate(logps)}, os.path.join(out, "logps.safetensors")
+            )
+
+
+def _spawn(out: str, resume: bool) -> None:
+    """Two fresh rank processes through every policy; past SPAWN_TIMEOUT_S they print their
+    stacks (to the test's captured stderr), are killed, and the test fails. (mp.spawn's own join
+    has no deadline.)"""
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank_main, args=(_free_port(), out, resume, bf16, lora), nprocs=2, join=True)
+    (port,) = free_ports(1)
+    ranks = mp.spawn(_rank_main, args=(port, out, resume), nprocs=2, join=False)
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while not ranks.join(timeout=max(deadline - time.monotonic(), 0.0)):
+        if time.monotonic() < deadline:
+            continue
+        alive = [p for p in ranks.processes if p.is_alive()]
+        for p in alive:
+            os.kill(p.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        for p in alive:
+            p.kill()
+            p.join()
+        what = "resumed" if resume else "trained"
+        pytest.fail(
+            f"the FSDP ranks {[p.pid for p in alive]} had not {what} every policy within "
+            f"{SPAWN_TIMEOUT_S:.0f} s; those past their imports printed their stacks (captured "
+            "stderr)",
+            pytrace=False,
+        )
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Per policy of POLICIES, the directory its two ranks left: `ckpt` (saved after step 1),
+    fsdp.safetensors/.json (weights and metrics after step 2 run on), resumed.safetensors/.json
+    (step 2 resumed from `ckpt`), logps.safetensors (step 1's log-probs) and, for LoRA, base.st
+    and on.st (log-probs with the adapters off and on)."""
+    out = str(tmp_path_factory.mktemp("fsdp"))
+    _spawn(out, resume=False)
+    _spawn(out, resume=True)
+    return {name: os.path.join(out, name) for name in POLICIES}
 
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_fsdp_two_ranks_match_one_process_and_resume(tmp_path):
-    out = str(tmp_path)
-    _spawn(out, resume=False)
-    _spawn(out, resume=True)
+def test_fsdp_two_ranks_match_one_process_and_resume(ranks):
+    out = ranks["float32"]
 
     backend = build_backend(build_tiny_qwen3(SMALL, VOCAB, seed=0), TRAIN, temperature=0.9)
     mbs1 = _micro_batches(1)
@@ -202,13 +247,11 @@ def test_fsdp_two_ranks_match_one_process_and_resume(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_fsdp_bf16_policy_keeps_float32_master_weights_across_a_resume(tmp_path):
+def test_fsdp_bf16_policy_keeps_float32_master_weights_across_a_resume(ranks):
     from relax_core.train.backend import MASTER_WEIGHTS_FILE
     from relax_core.train.fsdp import OPTIMIZER_DIR
 
-    out = str(tmp_path)
-    _spawn(out, resume=False, bf16=True)
-    _spawn(out, resume=True, bf16=True)
+    out = ranks["bf16"]
 
     # The policy engines and evaluation load is bf16; the master weights travel beside the
     # optimizer state in float32 and differ from it by less than a bf16 rounding.
@@ -230,10 +273,8 @@ def test_fsdp_bf16_policy_keeps_float32_master_weights_across_a_resume(tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_fsdp_lora_trains_what_one_process_trains_and_resumes_exactly(tmp_path):
-    out = str(tmp_path)
-    _spawn(out, resume=False, bf16=True, lora=True)
-    _spawn(out, resume=True, bf16=True, lora=True)
+def test_fsdp_lora_trains_what_one_process_trains_and_resumes_exactly(ranks):
+    out = ranks["lora"]
 
     backend = build_backend(_lora_policy(bf16=True), TRAIN, 0.9, compute_dtype=torch.bfloat16)
     start = backend.logprobs(_micro_batches(1))

@@ -1,26 +1,32 @@
 """LoRA runs end to end: colocate and async (adapters over the gloo broadcast group) train the
-same adapter at max_staleness 0, the base never moves, and each checkpoint is base + adapter."""
+same adapter at max_staleness 0, the base never moves, and each checkpoint is base + adapter; the
+registered model is that pair; FSDP2 colocate scores its KL anchor with the adapters off. Each run
+of the module runs once (module-scoped fixtures) in one directory, so they share the warm-started
+policy, and tests read what each left. (A two-rank FSDP LoRA trainer is
+tests/integration/test_multi_rank_trainer.py's; an async LoRA run at max_staleness 1 whose
+engines sample with the adapter version they report, over the object store, is
+tests/integration/test_omni_run.py's.)"""
 
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.compute as pc
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from relax_core.models import lora
 from relax_core.models.lora import ADAPTER_DIR
-from relax_core.models.omni import WEIGHTS_FILE as OMNI_WEIGHTS
-from relax_core.models.policy import load_policy
-from relax_core.queue import TransferQueue
-from relax_core.roles.reference import add_ref_logprobs
 from relax_core.train.checkpoint import list_checkpoints, read_state
-from tests.integration.test_async_run import ASYNC, _final, _finish, _metrics, _run
+from tests.conftest import REPO, SMALL_RUN, _merge
+from tests.integration.test_async_run import ASYNC, _final, _metrics
+from tests.runs import run_to_end
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # whole runs, each over 5 s
 
 LORA = {
     "train": {"total_steps": 4, "checkpoint_every": 2, "lr": 5e-3, "lora": {"rank": 4}},
@@ -28,19 +34,62 @@ LORA = {
     # LoRA policy with its adapters off (colocate) or the starting policy (async's reference).
     "algorithm": {"entropy_coef": 0.01, "kl_coef": 0.01},
 }
+# One run here took 40-180 s on a 2-core machine under a load of 5 to 20; past this deadline
+# it fails with its processes' stacks, before pytest-timeout's bound (300 s) would.
+RUN_TIMEOUT_S = 270.0
+
+
+def workdir_for(factory: pytest.TempPathFactory, name: str) -> Iterator[Path]:
+    """tests/conftest.py's `workdir` for a module-scoped fixture: a fresh directory that sees
+    the repo's datasets/, current while the caller lasts, with flytekit's temp files in its
+    tmp/."""
+    workdir = factory.mktemp(name)
+    os.symlink(os.path.join(REPO, "datasets"), workdir / "datasets")
+    (workdir / "tmp").mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(workdir)
+        mp.setenv("TMPDIR", str(workdir / "tmp"))
+        mp.setattr(tempfile, "tempdir", str(workdir / "tmp"))
+        yield workdir
+
+
+def run_config(workdir: Path, name: str, timeout_s: float = RUN_TIMEOUT_S, **sections) -> str:
+    """Run a small config (tests/conftest.py's SMALL_RUN under `sections`) written to
+    `workdir`/`name` to its end (tests/runs.py: a deadline, every process's stacks past it);
+    returns the run's stderr, kept beside the config as <name>.stderr."""
+    data = _merge(SMALL_RUN, sections)
+    data["tracking"]["tracking_uri"] = f"sqlite:///{workdir}/mlflow.db"
+    cfg = workdir / name
+    cfg.write_text(yaml.safe_dump(data))
+    out = run_to_end(str(cfg), timeout_s=timeout_s)
+    for stream in ("stdout", "stderr"):  # kept per run: the next run's would overwrite them
+        os.replace(workdir / f"run.{stream}", cfg.with_suffix(f".{stream}"))
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-6000:]
+    return out.stderr
+
+
+@pytest.fixture(scope="module")
+def module_workdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Where every run of this module runs."""
+    yield from workdir_for(tmp_path_factory, "lora")
 
 
 def _adapter(ckpt: str) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(ckpt, ADAPTER_DIR, "adapter_model.safetensors"))
 
 
-def test_lora_trains_the_same_adapter_in_both_modes_on_a_frozen_base(small_config, workdir):
+@pytest.fixture(scope="module")
+def both_modes(module_workdir: Path) -> tuple[str, str]:
+    """(colocate's, async's) final checkpoints of one LoRA run each at max_staleness 0; the
+    colocate run registers its policy as `lora-policy`."""
     registered = {"tracking": {"registered_model": "lora-policy"}}
-    c_cfg = small_config("c.yaml", run_name="c", **LORA, **registered)
-    _finish(_run(c_cfg))
-    _finish(_run(small_config("a.yaml", run_name="a", **LORA, **ASYNC)))
+    run_config(module_workdir, "c.yaml", run_name="c", **LORA, **registered)
+    run_config(module_workdir, "a.yaml", run_name="a", **LORA, **ASYNC)
+    return _final(module_workdir, "c"), _final(module_workdir, "a")
 
-    c_ckpt, a_ckpt = _final(workdir, "c"), _final(workdir, "a")
+
+def test_lora_trains_the_same_adapter_in_both_modes_on_a_frozen_base(module_workdir, both_modes):
+    c_ckpt, a_ckpt = both_modes
     assert read_state(a_ckpt)["policy_version"] == 4
     first = min(list_checkpoints(os.path.dirname(c_ckpt)))
     start_base = load_file(os.path.join(first, "model.safetensors"))
@@ -56,10 +105,14 @@ def test_lora_trains_the_same_adapter_in_both_modes_on_a_frozen_base(small_confi
     for name, tensor in c_adapter.items():
         # Strict on-policy async: rollout sampled with every new adapter, as colocate did.
         torch.testing.assert_close(a_adapter[name], tensor, rtol=0, atol=1e-6)
-    _check_registered_lora_policy(c_cfg, c_ckpt, c_adapter, workdir)
+    # Both KL anchors (colocate: the adapters off; async: the reference role's starting policy)
+    # are the base: the policy equals it until the adapter first trains (B starts at zero).
+    for ckpt in (c_ckpt, a_ckpt):
+        kl = _metrics(module_workdir, read_state(ckpt)["tracking_run_id"], "train/kl")
+        assert len(kl) == 4 and abs(kl[0]) < 1e-7 and kl[-1] > 1e-6, kl
 
 
-def _check_registered_lora_policy(cfg_path, ckpt, adapter, workdir) -> None:
+def test_the_registered_lora_policy_is_the_final_base_and_adapter(module_workdir, both_modes):
     """The registered model is the final base + adapter pair: served as a pyfunc it holds the
     trained adapter, and evaluating it is evaluating the final checkpoint."""
     import mlflow
@@ -68,7 +121,9 @@ def _check_registered_lora_policy(cfg_path, ckpt, adapter, workdir) -> None:
     from relax_core.run.evaluate import evaluate_checkpoint
     from relax_core.run.session import RunSession
 
-    cfg = load_config(cfg_path)
+    ckpt = both_modes[0]
+    adapter = _adapter(ckpt)
+    cfg = load_config(str(module_workdir / "c.yaml"))
     # A colocate session's torch engine shares the trainer's frozen base, not a copy of it,
     # and holds adapters of its own, equal to the trainer's after a sync.
     session = RunSession.from_checkpoint(cfg, ckpt)
@@ -81,8 +136,8 @@ def _check_registered_lora_policy(cfg_path, ckpt, adapter, workdir) -> None:
     session.close()
     ev = evaluate_checkpoint(cfg, "", k=2, n_samples=2, model="models:/lora-policy/latest")
     assert ev["checkpoint"] == "models:/lora-policy/1" and ev["policy_version"] == 4
-    final_eval = _metrics(workdir, read_state(ckpt)["tracking_run_id"], "eval/accuracy")[-1]
-    assert ev["eval_accuracy"] == final_eval
+    final_eval = _metrics(module_workdir, read_state(ckpt)["tracking_run_id"], "eval/accuracy")
+    assert ev["eval_accuracy"] == final_eval[-1]
     mlflow.set_tracking_uri(cfg.tracking.tracking_uri)
     served = mlflow.pyfunc.load_model("models:/lora-policy/1").unwrap_python_model().model
     held = {
@@ -94,123 +149,32 @@ def _check_registered_lora_policy(cfg_path, ckpt, adapter, workdir) -> None:
         assert torch.equal(held[name], tensor), name
 
 
-def _versions(run_dir: str) -> dict[int, str]:
-    """Each kept checkpoint of a run by the policy version it holds."""
-    return {read_state(c)["policy_version"]: c for c in list_checkpoints(run_dir)}
+@pytest.fixture(scope="module")
+def fsdp_colocate_run(module_workdir: Path) -> str:
+    """The final checkpoint of a colocate LoRA run on the FSDP2 backend (one rank)."""
+    train = {**LORA["train"], "eval_every": 2, "backend": "fsdp"}
+    run_config(module_workdir, "f.yaml", run_name="f", train=train, algorithm=LORA["algorithm"])
+    return _final(module_workdir, "f")
 
 
-def test_async_engines_sample_with_the_adapter_version_they_report(small_config, workdir):
-    """max_staleness 1 over several versions, adapters through the object store: every rollout
-    row must have been sampled with the adapter of the version it is stamped with (its log-probs are that checkpoint's, not the
-    starting adapter's nor the one before), and no row trains more than one version late."""
-    steps = 6
-    cfg = small_config(
-        "s.yaml",
-        run_name="s",
-        mode="async",
-        rollout={"max_staleness": 1},
-        # A large learning rate: each version's adapter scores the samples measurably apart.
-        train={"total_steps": steps, "checkpoint_every": 1, "lr": 3e-2, "lora": {"rank": 4}},
-        algorithm={"entropy_coef": 0.01},
-        queue={"keep_versions": 100},
-        # Adapters through the object store (the broadcast group is the other tests'), to the
-        # rollout engine and to actor_fwd.
-        services={**ASYNC["services"], "weight_sync": "object_store", "actor_fwd": True},
-    )
-    _finish(_run(cfg))
-    final = _final(workdir, "s")
+def test_fsdp_lora_colocate_scores_its_kl_anchor_with_the_adapters_off(
+    module_workdir, fsdp_colocate_run
+):
+    """FSDP2 LoRA colocate on one rank scores its KL anchor through the sharded policy with
+    adapters off, evaluates on a copy filled with the adapter and checkpoints base + adapter +
+    optimizer state. (That FSDP2 ranks train one process's adapter and resume it exactly is
+    test_fsdp.py's; two ranks in an async run are test_multi_rank_trainer.py's.)"""
+    final = fsdp_colocate_run
     state = read_state(final)
-    assert state["policy_version"] == steps
-    checkpoints = _versions(os.path.dirname(final))
-    assert sorted(checkpoints) == list(range(steps + 1))
-    staleness = _metrics(workdir, state["tracking_run_id"], "train/staleness_max")
-    assert len(staleness) == steps and max(staleness) <= 1
-
-    queue = TransferQueue(".relax/queue", state["run_id"])
-    tables = [queue.read("rollout", seq) for seq in queue.committed("rollout")]
-    by_version: dict[int, list] = {}
-    for table in tables:
-        for v in set(table.column("behaviour_version_min").to_pylist()):
-            rows = pc.equal(table.column("behaviour_version_min"), v)
-            by_version.setdefault(v, []).append(table.filter(rows))
-    assert len(by_version) >= 4, sorted(by_version)  # several adapter versions sampled
-    gaps_own, gaps_before = [], []
-    for v, parts in sorted(by_version.items()):
-        table = pa.concat_tables(parts)
-        assert table.column("behaviour_version_max").to_pylist() == [v] * table.num_rows
-        sampled = [torch.tensor(r) for r in table.column("rollout_logprobs").to_pylist()]
-        for at, gaps in ((v, gaps_own), (v - 1, gaps_before)):
-            if at < 0:
-                continue
-            model, tok = load_policy(checkpoints[at])
-            scored = add_ref_logprobs(model, table, tok.pad_token_id, 4096, 1.0)
-            rescored = [torch.tensor(r) for r in scored.column("ref_logprobs").to_pylist()]
-            gaps.append(
-                max(float((a - b).abs().max()) for a, b in zip(sampled, rescored, strict=True))
-            )
-    # The engine's log-probs are the trainer's at the stamped version, and the version before
-    # (what an engine whose update never landed would hold) is far off.
-    assert max(gaps_own) < 1e-4, gaps_own
-    assert min(gaps_before) > 1e-2, gaps_before
-
-
-def test_fsdp_lora_runs_in_both_modes_with_the_base_as_kl_anchor(small_config, workdir):
-    """FSDP2 LoRA: colocate on one rank scores its KL anchor through the sharded policy with
-    adapters off; async on two ranks (torchrun, gloo) syncs the gathered adapter, evaluates on
-    a copy filled with it and checkpoints base + adapter. (That FSDP2 ranks train one process's
-    adapter and resume it exactly is test_fsdp.py's.)"""
-    fsdp = {
-        "train": {**LORA["train"], "eval_every": 2, "backend": "fsdp"},
-        "algorithm": LORA["algorithm"],
-    }
-    _finish(_run(small_config("f.yaml", run_name="f", **fsdp)))
-    two_ranks = {**ASYNC["services"], "trainer_gpus": 2}
-    _finish(_run(small_config("r.yaml", run_name="r", **fsdp, **{**ASYNC, "services": two_ranks})))
-
-    for run in ("f", "r"):
-        final = _final(workdir, run)
-        state = read_state(final)
-        assert state["policy_version"] == 4
-        assert os.path.isfile(os.path.join(final, "optim", "optimizer.pt"))
-        start = min(list_checkpoints(os.path.dirname(final)))
-        start_base = load_file(os.path.join(start, "model.safetensors"))
-        for name, tensor in load_file(os.path.join(final, "model.safetensors")).items():
-            assert torch.equal(tensor, start_base[name]), name  # the base never trains
-        assert any(t.abs().sum() > 0 for n, t in _adapter(final).items() if "lora_B" in n)
-        assert len(_metrics(workdir, state["tracking_run_id"], "eval/accuracy")) >= 2
-        kl = _metrics(workdir, state["tracking_run_id"], "train/kl")
-        if run == "f":
-            # The anchor is the base: the policy equals it until the adapter first trains
-            # (B starts at zero), and parts from it after.
-            assert abs(kl[0]) < 1e-7 and kl[-1] > 1e-6, kl
-
-
-def test_the_tiny_omni_policy_trains_lora_adapters_on_its_lm_and_encoders(small_config, workdir):
-    """Omni + LoRA, async (the reference role and the rollout engine rebuild media from the
-    rows): adapters on the LM's projections and on two encoder layers; the base (LM and
-    encoders) stays frozen and the checkpoint is an omni base + adapter that loads back."""
-    from tests.integration.test_omni_run import OMNI, _dataset
-
-    _dataset(workdir)
-    targets = "q_proj,v_proj,gate_proj,audio_out,video_out"
-    train = {**OMNI["train"], "lr": 1e-2, "lora": {"rank": 4, "target_modules": targets}}
-    # The entropy bonus gives every step a gradient, whatever the rewards.
-    algorithm = {**OMNI["algorithm"], "entropy_coef": 0.01}
-    sections = {**OMNI, "train": train, "algorithm": algorithm, **ASYNC}
-    _finish(_run(small_config("o.yaml", **sections, run_name="o")))
-
-    final = _final(workdir, "o")
-    assert read_state(final)["policy_version"] == 3
+    assert state["policy_version"] == 4
+    assert os.path.isfile(os.path.join(final, "optim", "optimizer.pt"))
     start = min(list_checkpoints(os.path.dirname(final)))
-    for name in ("model.safetensors", OMNI_WEIGHTS):
-        before, after = load_file(os.path.join(start, name)), load_file(os.path.join(final, name))
-        assert before.keys() == after.keys() and all(
-            torch.equal(after[k], t) for k, t in before.items()
-        ), name
-    adapter = _adapter(final)
-    trained = {n for n, t in adapter.items() if "lora_B" in n and t.abs().sum() > 0}
-    assert any(".lm." in n for n in trained) and any("audio_out" in n for n in trained), trained
-    policy, _ = load_policy(final)
-    assert lora.is_lora(policy) and type(policy).__name__ == "TinyOmni"
-    state = {k: v for k, v in policy.state_dict().items() if ".lora_" in k}
-    assert len(state) == len(adapter)
+    start_base = load_file(os.path.join(start, "model.safetensors"))
+    for name, tensor in load_file(os.path.join(final, "model.safetensors")).items():
+        assert torch.equal(tensor, start_base[name]), name  # the base never trains
+    assert any(t.abs().sum() > 0 for n, t in _adapter(final).items() if "lora_B" in n)
+    assert len(_metrics(module_workdir, state["tracking_run_id"], "eval/accuracy")) >= 2
+    kl = _metrics(module_workdir, state["tracking_run_id"], "train/kl")
+    # The anchor is the base: the policy equals it until the adapter first trains (B starts
+    # at zero), and parts from it after.
+    assert abs(kl[0]) < 1e-7 and kl[-1] > 1e-6, kl
