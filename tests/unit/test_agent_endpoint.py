@@ -12,10 +12,12 @@ import openai
 import pytest
 import requests
 
+from relax_core.agents.batcher import EngineBatcher
 from relax_core.agents.server import CallLimits
 from relax_core.data.prompts import PromptItem
 from relax_core.models.tiny import build_char_tokenizer
 from relax_core.queue import rows_to_table
+from relax_core.roles import agents as roles_agents
 from relax_core.roles.advantages import add_advantages
 from relax_core.roles.agents import AgentRunner
 from relax_core.rollout.engine import Completion, SamplingParams
@@ -249,8 +251,30 @@ def test_refused_requests_say_why_and_record_nothing():
     assert seen["unknown"] == "401"
 
 
-def test_limits_end_the_episode_and_a_crash_or_timeout_costs_only_its_own():
+class HungAgentClock:
+    """The runner's clock (relax_core/roles/agents.py), real until the runner has collected every
+    episode but the hung one, then an hour on: that episode is past any env.agent_timeout_s at
+    once, and the others had all the time a loaded machine needed."""
+
+    def __init__(self, endpoint, collected_before_hang: int) -> None:
+        self.closed, self.wanted = 0, collected_before_hang
+        close = endpoint.close_episode
+
+        def counting_close(eid):
+            self.closed += 1
+            return close(eid)
+
+        endpoint.close_episode = counting_close
+
+    def monotonic(self) -> float:
+        return time.monotonic() + (3600.0 if self.closed >= self.wanted else 0.0)
+
+    perf_counter = staticmethod(time.perf_counter)
+
+
+def test_limits_end_the_episode_and_a_crash_or_timeout_costs_only_its_own(monkeypatch):
     tok = tokenizer()
+    hung_called, release = threading.Event(), threading.Event()
 
     def chatty_agent(sample, *, base_url, api_key, model):
         client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
@@ -260,42 +284,71 @@ def test_limits_end_the_episode_and_a_crash_or_timeout_costs_only_its_own():
             raise RuntimeError("the agent's own bug")
         if kind == "2":
             client.chat.completions.create(model=model, messages=msgs)
-            time.sleep(5)
+            hung_called.set()
+            release.wait(timeout=60)  # hangs until the test ends
+            return 1.0
+        hung_called.wait(timeout=60)  # so the hung episode has a recorded call to keep
         for _ in range(5):  # kind 0: one call past max_calls
             client.chat.completions.create(model=model, messages=msgs)
         return 1.0
 
     engine = ReplyEngine(tok, calculator_reply)
     limits = CallLimits(max_calls=3, max_episode_tokens=200, max_new_tokens=24)
-    agents = runner(tok, chatty_agent, limits, timeout_s=1.5)
-    rows, metrics = agents.rollout(engine, items(tok, 3), PARAMS, 1)
+    agents = runner(tok, chatty_agent, limits, timeout_s=60)
+    clock = HungAgentClock(agents.endpoint, collected_before_hang=2)
+    monkeypatch.setattr(roles_agents, "time", clock)
+    try:
+        rows, metrics = agents.rollout(engine, items(tok, 3), PARAMS, 1)
+    finally:
+        release.set()
+        agents.close()
     by_prompt = {r["prompt_index"]: r for r in rows if "/seg" not in r["uid"]}
     info = [by_prompt[i]["reward_info"] for i in range(3)]
     assert [i["end_reason"] for i in info] == ["max_turns", "agent_error", "timeout"]
     assert "the agent's own bug" in info[1]["agent_error"]
+    assert "env.agent_timeout_s (60" in info[2]["agent_error"]
     # the crashed and timed-out episodes train nothing and score 0; the others are kept
     assert by_prompt[2]["response_ids"] and sum(by_prompt[2]["loss_mask"]) == 0
     assert by_prompt[2]["finish_reason"] == "abort" and by_prompt[2]["reward"] == 0.0
     assert sum(by_prompt[0]["loss_mask"]) > 0 and by_prompt[0]["reward"] == 0.0
+    assert info[0]["calls"] == 3  # the fourth call was refused, not recorded
     assert metrics["rollout/agent_errors"] == 1.0 and metrics["rollout/agent_timeouts"] == 1.0
 
 
-class SlowFirstBatch(ReplyEngine):
-    """Its first batch takes a second, as a real engine's first batch does: the episodes' other
-    calls arrive meanwhile and must go out together. (With an instant engine the batches'
-    sizes follow the threads' timing: a loaded machine once gave at most 3.)"""
+class FirstBatchWaits(ReplyEngine):
+    """Its first batch lasts until every episode's first call has reached the batcher, as a real
+    engine's slow first batch lets the others gather: they must then go out together. (With an
+    instant engine the batches' sizes follow the threads' timing: a loaded machine once gave at
+    most 3.)"""
+
+    def __init__(self, tok, reply, episodes: int) -> None:
+        super().__init__(tok, reply)
+        self.episodes, self.submitted = episodes, 0
+        self.all_first_calls = threading.Event()
+
+    def count(self, submit):
+        def counted(batcher, prompt_ids, cap):
+            with self.lock:
+                self.submitted += 1
+                if self.submitted >= self.episodes:
+                    self.all_first_calls.set()
+            return submit(batcher, prompt_ids, cap)
+
+        return counted
 
     def generate(self, prompts, params, media=None):
         if not self.batches:
-            time.sleep(1.0)
+            assert self.all_first_calls.wait(timeout=60), f"{self.submitted} calls arrived"
         return super().generate(prompts, params, media)
 
 
-def test_concurrent_episodes_share_engine_batches():
+def test_concurrent_episodes_share_engine_batches(monkeypatch):
     tok = tokenizer()
-    engine = SlowFirstBatch(tok, calculator_reply)
+    engine = FirstBatchWaits(tok, calculator_reply, episodes=8)
+    monkeypatch.setattr(EngineBatcher, "submit", engine.count(EngineBatcher.submit))
     rows, _ = runner(tok, calc_agent).rollout(engine, items(tok, 4), PARAMS, 2)
     assert len(engine.calls) == 16 and len(rows) == 8
+    # The first batch took k of the 8 first calls and the next one the other 8 - k at least.
     assert max(engine.batches) >= 4 and len(engine.batches) < 16
 
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
 from relax_core.entrypoints.cli import main as relax
 from relax_core.queue import StageWorker, TransferQueue, rows_to_table
+from tests.needs import missing
 from tests.unit.test_queue import _group_rows
 
 
@@ -70,20 +73,24 @@ def test_missing_run_is_an_error_naming_it(tmp_path, capsys) -> None:
     assert "no queue entries for run 'nope'" in capsys.readouterr().err
 
 
-def test_relax_console_script_runs_the_same_command(tmp_path) -> None:
+def _installed_relax() -> str:
+    """The `relax` console script `pip install -e .` put beside this interpreter (or on PATH)."""
+    found = shutil.which("relax", path=os.path.dirname(sys.executable)) or shutil.which("relax")
+    if found is None:
+        missing("the `relax` console script is not installed", "pip install -e .")
+    return found
+
+
+def test_the_installed_relax_script_shows_the_run(tmp_path) -> None:
     _run_queue(str(tmp_path))
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "relax_core.entrypoints.cli",
-            "queue",
-            str(tmp_path),
-            "--run",
-            "run-a",
-        ],
+    shown = subprocess.run(
+        [_installed_relax(), "queue", str(tmp_path), "--run", "run-a"],
         capture_output=True,
         text=True,
-        check=True,
-    ).stdout
-    assert out.startswith("run run-a")
+        timeout=120,
+    )
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert shown.stdout.startswith("run run-a")
+    rollout = next(line for line in shown.stdout.splitlines() if line.startswith("rollout "))
+    assert rollout.split() == ["rollout", "5", "15", "30", "2", "ready", "0", "0"]
+    assert "trainer-0" in shown.stdout and "{'policy_version': 2}" in shown.stdout
