@@ -9,7 +9,8 @@ side (fake_sglang_weights.py) joins the trainer's weight group over gloo as each
 
 Scheduling rules copied from the pinned source (facts, not code):
 - start-up: until warm-up has run, `/health` and `/health_generate` answer 503 while other
-  endpoints serve (http_server.health_generate: server_status Starting; `--warmup-s`);
+  endpoints serve (http_server.health_generate: server_status Starting); here warm-up lasts
+  `--warmup-s` seconds and, with `--warmup-until PATH`, until PATH exists (a test ends it);
 - `/pause_generation` (Scheduler.pause_generation): `in_place` sets the flag and returns, running
   requests stay in the batch with their KV cache and go on after continue; `retract` takes them
   out of the batch between decode steps, frees their KV cache and puts them back in the waiting
@@ -107,6 +108,7 @@ class FakeSGLang:
         dp_size: int = 1,
         warmup_s: float = 0.0,
         lora: dict | None = None,
+        warmup_until: str = "",
     ) -> None:
         self.moe = bool(getattr(model.config, "num_experts", 0))
         if self.moe:
@@ -128,6 +130,8 @@ class FakeSGLang:
         self.local = threading.local()
         self.generate_delay_s, self.step_delay_s = generate_delay_s, step_delay_s
         self.ready_at = time.monotonic() + warmup_s
+        self.warmup_until = warmup_until
+        """A file whose appearance ends warm-up (with ready_at), when set."""
         self.released: set[str] = set()
         """Memory tags released (colocate): generating needs none released, loading weights
         needs 'weights' held."""
@@ -307,6 +311,12 @@ class FakeSGLang:
         self.event("resume_memory", sorted(tags))
         return {"success": True, "message": "resumed"}
 
+    def warm(self) -> bool:
+        """Whether warm-up has run: /health answers 200 from then on."""
+        if time.monotonic() < self.ready_at:
+            return False
+        return not self.warmup_until or os.path.exists(self.warmup_until)
+
     def server_info(self) -> dict:
         return {"tp_size": self.tp_size, "dp_size": self.dp_size, "pp_size": 1}
 
@@ -375,8 +385,7 @@ def serve(state: FakeSGLang, port: int, api_key: str = "") -> ThreadingHTTPServe
             if self._refused():
                 return
             if self.path in ("/health", "/health_generate", "/ready"):
-                warm = time.monotonic() >= state.ready_at
-                return self._send(200 if warm else 503, None)
+                return self._send(200 if state.warm() else 503, None)
             gets = {
                 "/get_model_info": lambda: {
                     "model_path": "fake",
@@ -432,6 +441,7 @@ def main() -> None:
     p.add_argument("--generate-delay-s", type=float, default=0.0)
     p.add_argument("--step-delay-s", type=float, default=0.0, help="per decode step")
     p.add_argument("--warmup-s", type=float, default=0.0, help="/health answers 503 this long")
+    p.add_argument("--warmup-until", default="", help="/health answers 503 until this file exists")
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--device", default="cpu")
@@ -473,6 +483,7 @@ def main() -> None:
             "targets": a.lora_target_modules,
             "max_per_batch": a.max_loras_per_batch,
         },
+        warmup_until=a.warmup_until,
     )
     state.weight_version = a.weight_version
     state.served_model = a.checkpoint or "fake"

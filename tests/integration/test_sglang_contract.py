@@ -9,6 +9,7 @@ is unreachable gives an error that names it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import subprocess
@@ -84,6 +85,22 @@ def _events(client: SGLangClient) -> list[list]:
     return client.get("/relax_test/events")
 
 
+def _generated_under(client: SGLangClient, version: int, since: int, failed: list) -> bool:
+    """Whether a generate call ended under `version` after event `since` (or generating
+    failed)."""
+    ended = ["generate_end", str(version)]
+    return bool(failed) or ended in [e[1:3] for e in _events(client)[since:]]
+
+
+def _until(condition, what: str, timeout_s: float = 60.0) -> None:
+    """Poll `condition` until it holds; fail naming `what` did not happen within `timeout_s`
+    (a loaded 2-core machine's bound, far above what it needs)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s:.0f} s: {what}"
+        time.sleep(0.02)
+
+
 def test_generate_parses_sglang_answers(servers):
     model, tok = tiny_policy(0)
     engine = SGLangEngine(servers[0])
@@ -115,11 +132,15 @@ def test_updates_arrive_bit_exact_with_generation_paused(servers):
     engine = SGLangEngine(client)
     stop = threading.Event()
     done: list = []
+    failed: list[SGLangError] = []
 
     def hammer():
         prompts = engine_prompts(tiny_policy(0)[1])
-        while not stop.is_set():
-            done.extend(engine.generate(prompts, SamplingParams(max_new_tokens=4)))
+        try:
+            while not stop.is_set():
+                done.extend(engine.generate(prompts, SamplingParams(max_new_tokens=4)))
+        except SGLangError as err:  # the wait for generation below names it
+            failed.append(err)
 
     worker = threading.Thread(target=hammer)
     worker.start()
@@ -147,7 +168,12 @@ def test_updates_arrive_bit_exact_with_generation_paused(servers):
             assert "pause" in kinds[:first] and "continue" in kinds[last:]
             assert kinds.count("update_begin") == len(sender.buckets) > 1
             assert not {"generate_start", "generate_end"} & set(kinds[first : last + 1])
-            time.sleep(0.3)  # let generation run under this version
+            # Generation runs under this version before the next update.
+            _until(
+                functools.partial(_generated_under, client, version, started, failed),
+                f"a generate call ended under version {version}",
+            )
+            assert not failed, failed
     finally:
         stop.set()
         worker.join(60)
@@ -172,11 +198,12 @@ def test_an_update_while_requests_run_succeeds_in_each_pause_mode(servers, mode)
     )
     try:
         sender.init()
+        started = len(_events(client))
         worker.start()
-        deadline = time.monotonic() + 30
-        while not any(e[1] == "generate_start" for e in _events(client)[-5:]):
-            assert time.monotonic() < deadline, "generation never started"
-            time.sleep(0.01)
+        _until(
+            lambda: "generate_start" in [e[1] for e in _events(client)[started:]],
+            "generation started",
+        )
         # An update arrives while a request runs: retract takes it out of the batch and the
         # cache is flushed; in_place keeps it running, so no flush may be asked for.
         sender.push(named, 30)

@@ -26,7 +26,7 @@ from relax_core.queue.audit import audit_run
 from relax_core.rollout.sglang_engine import SGLangEngine, SGLangError
 from relax_core.rollout.sglang_server import SGLangServer, publish_policy, server_command
 from relax_core.train.checkpoint import find_resume_checkpoint, read_state
-from tests.runs import running
+from tests.runs import _argv, _mentioning, running
 
 pytestmark = pytest.mark.integration
 
@@ -166,15 +166,20 @@ def test_an_async_run_on_sglang_engines_trains_every_group_once(
     # The servers are stopped with their workers and withdrawn from the pool.
     assert not queue.store.exists("control/sglang_servers/rollout-0")
     assert {"sglang-rollout-0.log", "sglang-rollout-1.log"} <= set(os.listdir(logs))
-    deadline = time.time() + 30
-    while time.time() < deadline and _fake_servers():
+    deadline = time.monotonic() + 30  # SIGTERM ends a stand-in at once; 30 s on a loaded box
+    while (left := _servers_started_in(workdir)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _fake_servers()
+    assert not left, f"SGLang servers outlived the run: {[' '.join(_argv(p)) for p in left]}"
 
 
-def _fake_servers() -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "sglang.launch_server"], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split() if int(p) != os.getpid()]
+def _servers_started_in(where) -> list[int]:
+    """The stand-in servers still running that this test started: those whose command line
+    names its own temp dir (their --model-path), not another test's (another xdist worker's)."""
+    return [
+        pid
+        for pid in _mentioning(os.path.join(str(where), ""))  # its own dir, not a sibling
+        if running(pid) and "sglang.launch_server" in _argv(pid)
+    ]
 
 
 def test_a_killed_rollout_worker_takes_its_server_with_it(
@@ -193,13 +198,24 @@ def test_a_killed_rollout_worker_takes_its_server_with_it(
         stdout=subprocess.PIPE,
         text=True,
     )
-    pid = int(worker.stdout.readline())
-    worker.send_signal(signal.SIGKILL)
-    worker.wait()
-    deadline = time.time() + 20
-    while time.time() < deadline and running(pid):
-        time.sleep(0.1)
-    assert not running(pid)
+    pid = None
+    try:
+        line = worker.stdout.readline()  # once its server answers /health
+        assert line.strip().isdigit(), f"the worker started no server: {line!r}"
+        pid = int(line)
+        # The test's own servers are told apart from any other test's by their command line.
+        assert _servers_started_in(tmp_path) == [pid]
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+        deadline = time.monotonic() + 20  # SIGTERM (its parent-death signal) ends it at once
+        while running(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not running(pid), "the server outlived its killed rollout worker by 20 s"
+    finally:
+        worker.kill()
+        worker.wait()
+        if pid is not None and running(pid):
+            os.killpg(pid, signal.SIGKILL)  # its own session: the server and its children
 
 
 def test_a_colocate_run_on_sglang_takes_turns_with_the_trainer(

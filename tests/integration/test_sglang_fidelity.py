@@ -60,20 +60,65 @@ def _first_http_answer(url: str, proc: subprocess.Popen) -> None:
     raise AssertionError("the server never answered")
 
 
+class _HealthAnswers(SGLangClient):
+    """A client that keeps what each `/health` poll got: 'ok' or the error."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.answers: list[str] = []
+
+    def get(self, path: str, timeout_s: float | None = None):
+        try:
+            answer = super().get(path, timeout_s)
+        except SGLangError as err:
+            if path == "/health":
+                self.answers.append(str(err))
+            raise
+        if path == "/health":
+            self.answers.append("ok")
+        return answer
+
+
+def _until(condition, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s:.0f} s: {what}"
+        time.sleep(0.05)
+
+
 def test_a_server_warming_up_answers_503_and_the_client_waits_for_it(tmp_path, monkeypatch):
     (port,) = free_ports(1)
     url = f"http://127.0.0.1:{port}"
-    proc = _start(port, "--warmup-s", "5")
+    warmed = tmp_path / "warm-up-ran"  # the server warms up until this file exists
+    proc = _start(port, "--warmup-until", str(warmed))
+    client = _HealthAnswers(url)
+    waited: dict = {}
+
+    def wait() -> None:
+        try:
+            wait_healthy(client, 120, proc)
+            waited["ok"] = True
+        except SGLangError as err:
+            waited["error"] = err
+
+    waiter = threading.Thread(target=wait, daemon=True)
     try:
         _first_http_answer(f"{url}/health", proc)
-        naive_ready = time.monotonic()
         # A client that took any answer as "up" would go on now, while SGLang says it is not.
         assert _status(f"{url}/health") == 503
         assert _status(f"{url}/health_generate") == 503
-        wait_healthy(SGLangClient(url), 120, proc)
-        assert _status(f"{url}/health") == 200
-        assert time.monotonic() - naive_ready > 3.0
+        waiter.start()
+        _until(lambda: len(client.answers) >= 2, "wait_healthy polled /health twice")
+        assert waiter.is_alive(), waited  # told 503 twice, it still waits
+        assert all("HTTP 503" in a for a in client.answers), client.answers
+        warmed.touch()
+        waiter.join(60)
+        assert waited == {"ok": True}, waited or "wait_healthy still waits, 60 s after warm-up"
+        assert client.answers[-1] == "ok" and _status(f"{url}/health") == 200
     finally:
+        warmed.touch()  # a waiter left by a failed assertion returns
+        if waiter.is_alive():
+            waiter.join(60)
         proc.kill()
         proc.wait()
     # The product path: a rollout worker's own server comes back only once it is up, and serves.
@@ -124,9 +169,15 @@ def test_a_retracted_request_runs_again_under_the_new_weights_and_does_not_fail(
     try:
         sender.init()
         worker.start()
-        time.sleep(1.0)  # a few decode steps in
+        # The update lands mid-generation: the request runs (the first of its 10 decode steps of
+        # 0.3 s ends after this), so the pause retracts it at a step boundary.
+        _until(
+            lambda: any(e[1] == "generate_start" for e in client.get("/relax_test/events")),
+            "the request started generating",
+        )
         sender.push(named, 1)
         worker.join(60)
+        assert not worker.is_alive(), "the retracted request did not finish within 60 s"
     finally:
         sender.destroy()
     meta, out = answer["meta_info"], answer["output_ids"]
@@ -165,15 +216,19 @@ def test_two_servers_of_two_tp_ranks_each_join_at_their_own_ranks(tp2_servers):
         sender.destroy()
 
 
-def test_a_server_with_data_parallel_replicas_is_refused_by_name():
-    (port,) = free_ports(1)
-    url = f"http://127.0.0.1:{port}"
-    proc = _start(port, "--dp-size", "2")
+@pytest.fixture(scope="module")
+def dp2_server():
+    """One server with data-parallel replicas, for every refusal of them."""
+    with fake_servers(1, "--dp-size", "2") as (client,):
+        yield client
+
+
+def test_a_server_with_data_parallel_replicas_is_refused_by_name(dp2_server):
+    url = dp2_server.url
     trainer, _ = tiny_policy(4)
     named = list(trainer.named_parameters())
     sender = SGLangSender([("sg-dp", url)], specs_of(named), timeout_s=30)
     try:
-        wait_healthy(SGLangClient(url), 120, proc)
         # SGLang itself asserts dp_size == 1 in its tokenizer manager: an HTTP 500.
         group = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1}
         with pytest.raises(SGLangError, match="HTTP 500.*data-parallel"):
@@ -182,8 +237,11 @@ def test_a_server_with_data_parallel_replicas_is_refused_by_name():
             sender.push(named, 1)
     finally:
         sender.destroy()
-        proc.kill()
-        proc.wait()
+
+
+def test_tensor_updates_are_refused_by_a_server_with_data_parallel_replicas(dp2_server):
+    with pytest.raises(SGLangError, match="HTTP 500.*data-parallel"):
+        dp2_server.post_ok("/update_weights_from_tensor", {"serialized_named_tensors": ["AA=="]})
 
 
 # ---------------------------------------------------------------------- MoE weight names

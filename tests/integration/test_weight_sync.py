@@ -153,13 +153,14 @@ def test_broadcast_group_forms_again_when_a_receiver_dies_and_restarts(tmp_path,
     _wait_for(tmp_path / "r2-v1.safetensors", victim)
     victim.kill()
     victim.communicate()
-    (tmp_path / "ready-r2").unlink()
     restarted = _spawn(tmp_path, "collect", "broadcast", rank=2)
     # The dead member broke the group; the next update goes to a new generation that the
     # survivor rejoins and the restarted receiver joins, and reaches both whole.
     assert sender.push_or_reform(layout_tensors(2), 2) is True
     assert sender.generation == 1
-    _wait_ready(tmp_path, restarted, rank=2)
+    # Both take v2 before v3 goes out (a newer update replaces one not taken yet).
+    _wait_for(tmp_path / "r1-v2.safetensors", survivor)
+    _wait_for(tmp_path / "r2-v2.safetensors", restarted)
     sender.push_or_reform(layout_tensors(3), 3)
     _wait_for(tmp_path / "r1-v3.safetensors", survivor)
     _wait_for(tmp_path / "r2-v3.safetensors", restarted)
@@ -202,9 +203,14 @@ def test_broadcast_group_follows_the_wanted_members(tmp_path, sender_cleanup):
 
     wanted.remove("r1")  # drained: its process still runs, but gets nothing more
     assert sender.needs_reform()
+    left_out = time.time()  # the clock of the receivers' waiting markers
     assert sender.push_or_reform(layout_tensors(3), 3) is True
     assert sender.members == ["r2"]
     _wait_for(tmp_path / "r2-v3.safetensors", added)
+    deadline = time.monotonic() + 60
+    while sender.waiting(["r1"]).get("r1", 0.0) <= left_out:
+        assert time.monotonic() < deadline and first.poll() is None, "r1 never waited again"
+        time.sleep(0.05)
     assert not sender.needs_reform()  # r1 now waits to join, but nobody wants it
     sender.destroy()
     code, err = _finish(added)
@@ -284,13 +290,33 @@ def test_receiver_without_a_sender_times_out_naming_the_rendezvous_path(tmp_path
 
 
 # ---------------------------------------------------------------------- engines
-def _push_alternating(sender, versions: int, pause_s: float) -> None:
-    """Versions 1..n: even versions carry weights A (seed 0), odd ones B (seed 1)."""
+def _push_alternating(sender, versions: int, generated) -> None:
+    """Versions 1..n: even versions carry weights A (seed 0), odd ones B (seed 1). After every
+    seventh (4 of 30, of both weights) the sender waits until the engine generated under it
+    (`generated`), however slowly it runs; the versions between follow each other at once."""
     weights = {0: list(tiny_policy(0)[0].named_parameters())}
     weights[1] = list(tiny_policy(1)[0].named_parameters())
     for version in range(1, versions + 1):
         sender.push(weights[version % 2], version)
-        time.sleep(pause_s)
+        if version % 7 == 0:
+            generated(version)
+
+
+def _generated(tmp_path, proc: subprocess.Popen):
+    """A wait until the engine process generated under `version` or a newer one."""
+    path = tmp_path / "engine-r1-generated"
+
+    def wait(version: int) -> None:
+        deadline = time.monotonic() + 60.0
+        while not (path.exists() and int(path.read_text()) >= version):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(
+                    f"engine {proc.pid} generated under no version >= {version}: "
+                    f"{proc.communicate()[1] if proc.poll() is not None else 'still running'}"
+                )
+            time.sleep(0.02)
+
+    return wait
 
 
 def _assert_no_mixed_weights(result: dict, versions: int) -> None:
@@ -314,7 +340,7 @@ def test_engine_never_generates_with_half_updated_weights_broadcast(tmp_path, se
     sender = BroadcastSender(store, "rollout", ["r1"], specs, bucket_bytes=BUCKET, timeout_s=60.0)
     assert len(sender.buckets) >= 15  # about one bucket per tensor
     sender.init()
-    _push_alternating(sender, versions=30, pause_s=0.02)
+    _push_alternating(sender, 30, _generated(tmp_path, proc))
     sender.destroy()
     code, err = _finish(proc)
     assert code == 0, err
@@ -328,7 +354,7 @@ def test_engine_never_generates_with_half_updated_weights_object_store(tmp_path)
     sender = ObjectStoreSender(store, specs_of(model.named_parameters()), BUCKET, keep=1)
     sender.init()
     _wait_ready(tmp_path, proc)
-    _push_alternating(sender, versions=30, pause_s=0.02)
+    _push_alternating(sender, 30, _generated(tmp_path, proc))
     store.write_replace(STOP_PATH, b"done")
     code, err = _finish(proc)
     assert code == 0, err
@@ -426,7 +452,7 @@ def test_object_store_layout_mismatch_is_a_clear_error(tmp_path):
         receiver.init()
     receiver.start()  # the thread meets the same version and reports the same error
     with pytest.raises(LayoutMismatch, match="weights/v0000000001 have another layout"):
-        receiver.wait(10.0)
+        receiver.wait(60.0)
     receiver.destroy()
 
 

@@ -5,7 +5,9 @@ collect  receive updates and save each taken one as safetensors (`--lazy`: take 
 
 Each writes `ready-r{rank}` into --out once its receiver runs.
 engine   a tiny TorchEngine generating greedily in a loop while updates arrive; writes every
-         completion with its policy_version plus reference outputs under pure weights A and B
+         completion with its policy_version plus reference outputs under pure weights A and B,
+         and, as it goes, the newest version it generated under to `engine-r{rank}-generated`
+         (a test waits on it before sending more)
 
 A receiver that fails (e.g. a layout mismatch at init) prints the error and exits with status 3.
 """
@@ -29,7 +31,10 @@ from relax_core.sync import (
     specs_of,
 )
 
-VERSION_TIMEOUT_S = 60.0
+SESSION_TIMEOUT_S = 240.0
+"""How long a receiver waits for STOP before it gives up and writes what it took: a bound for
+one left behind by its test (which kills it by PID), longer than any test's session on a loaded
+machine."""
 
 
 def layout_tensors(version: int, kind: str = "lm") -> list[tuple[str, torch.Tensor]]:
@@ -81,8 +86,14 @@ def _receiver(args: argparse.Namespace, specs):
 
 
 def _ready(args: argparse.Namespace) -> None:
-    with open(os.path.join(args.out, f"ready-r{args.rank}"), "w") as f:
-        f.write("ready")
+    _write(os.path.join(args.out, f"ready-r{args.rank}"), "ready")
+
+
+def _write(path: str, text: str) -> None:
+    """Whole or not at all: the test reads it while this process runs."""
+    with open(f"{path}.partial", "w") as f:
+        f.write(text)
+    os.replace(f"{path}.partial", path)
 
 
 def collect(args: argparse.Namespace) -> None:
@@ -91,7 +102,7 @@ def collect(args: argparse.Namespace) -> None:
     receiver.start()
     _ready(args)
     taken = []
-    deadline = time.monotonic() + VERSION_TIMEOUT_S
+    deadline = time.monotonic() + SESSION_TIMEOUT_S
     while time.monotonic() < deadline:
         stopped = receiver.stopped
         update = None if args.lazy and not stopped else receiver.take()
@@ -101,6 +112,8 @@ def collect(args: argparse.Namespace) -> None:
             taken.append(version)
         elif stopped:
             break
+        elif args.lazy:  # an update left pending makes wait() return at once: poll for STOP
+            time.sleep(0.05)
         else:
             receiver.wait(0.05)
     assert receiver.take() is None, "a second take() of the same update"
@@ -131,8 +144,8 @@ def engine(args: argparse.Namespace) -> None:
     receiver.init()
     receiver.start()
     _ready(args)
-    batches = []
-    deadline = time.monotonic() + VERSION_TIMEOUT_S
+    batches, generated = [], None
+    deadline = time.monotonic() + SESSION_TIMEOUT_S
     while time.monotonic() < deadline:
         stopped = receiver.stopped  # read before take(): STOP follows the last update
         update = receiver.take()
@@ -140,6 +153,9 @@ def engine(args: argparse.Namespace) -> None:
         # a taken update must stay intact until it is applied.
         outs = eng.generate(prompts, params)
         batches.append([[c.policy_version, c.response_ids, c.logprobs] for c in outs])
+        if outs[0].policy_version != generated:
+            generated = outs[0].policy_version
+            _write(os.path.join(args.out, f"engine-r{args.rank}-generated"), str(generated))
         if update is not None:  # staging goes back to the receiver once the engine copied it
             apply_update(eng, update, receiver.release)
         elif stopped:

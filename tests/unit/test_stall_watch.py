@@ -33,14 +33,11 @@ def _until(condition, what: str) -> None:
         time.sleep(EVERY_S)
 
 
-def _touched_again(path) -> bool:
-    before = _mtime(path)
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
-        time.sleep(5 * EVERY_S)
-        if _mtime(path) != before:
-            return True
-    return False
+def _touched_after(path, seconds: float) -> None:
+    """Wait until the liveness file is touched `seconds` or more after now: the thread went on
+    beating through that long (a wall-clock mtime, as the supervisor reads it)."""
+    after = time.time_ns() + int(seconds * 1e9)
+    _until(lambda: _mtime(path) >= after, f"a touch of {path.name} {seconds} s from now")
 
 
 def _touched_again_within(path, seconds: float) -> bool:
@@ -60,51 +57,60 @@ def liveness(tmp_path, monkeypatch):
 def test_a_main_loop_hung_outside_the_lock_loses_its_liveness_until_it_comes_round(
     liveness, caplog, capfd
 ):
-    hung = threading.Event()
+    hung, answered = threading.Event(), threading.Event()
 
     def main_loop() -> None:  # one round, then a wait that releases the lock, as a dead peer's
         service.mark_progress()
         hung.wait()
+        while not answered.wait(EVERY_S):  # the peer answered: it comes round again, and on
+            service.mark_progress()
 
     with caplog.at_level(logging.WARNING, logger="relax_core.roles.service"):
         done = service.beat_locally("rollout-0", EVERY_S, STALL_S)
+        loop = threading.Thread(target=main_loop, name="role-main-loop", daemon=True)
         try:
             # Before the loop's first round (start-up) only silence counts: it keeps beating.
             _until(liveness.exists, "the first touch")
-            time.sleep(2 * STALL_S)
-            assert _touched_again(liveness)
-            loop = threading.Thread(target=main_loop, name="role-main-loop", daemon=True)
+            _touched_after(liveness, 2 * STALL_S)
             loop.start()
             _until(lambda: "has not come round" in caplog.text, "the stall report")
             assert not _touched_again_within(liveness, 10 * EVERY_S)
-            stacks = capfd.readouterr().err
-            assert "role-main-loop" in stacks or "main_loop" in stacks, stacks[-2000:]
+            stacks = ""
+
+            def dumped() -> bool:  # every thread's stack follows the report, on stderr
+                nonlocal stacks
+                stacks += capfd.readouterr().err
+                return "role-main-loop" in stacks or "main_loop" in stacks
+
+            _until(dumped, "the main loop's stack on stderr")
             # The loop comes round again before the supervisor acted: liveness resumes.
-            service.mark_progress()
-            assert _touched_again(liveness)
+            hung.set()
+            _touched_after(liveness, 0.0)
             assert "came round again" in caplog.text
         finally:
             done.set()
+            answered.set()
             hung.set()
-    stalls = [r for r in caplog.records if "has not come round" in r.getMessage()]
+    messages = [r.getMessage() for r in caplog.records]
+    resumed = next(i for i, m in enumerate(messages) if "came round again" in m)
+    stalls = [r for r in caplog.records[:resumed] if "has not come round" in r.getMessage()]
     assert len(stalls) == 1 and stalls[0].levelno == logging.ERROR  # said once, not each beat
     assert "rollout-0" in stalls[0].getMessage()
 
 
-def _beats_on(liveness, name: str, stall_s: float, quiet_s: float) -> bool:
-    """Whether `name`'s liveness thread still touches the file after `quiet_s`."""
+def _beats_on(liveness, name: str, stall_s: float, quiet_s: float) -> None:
+    """`name`'s liveness thread touches the file `quiet_s` from now and later."""
     done = service.beat_locally(name, EVERY_S, stall_s)
     try:
         _until(liveness.exists, "the first touch")
-        time.sleep(quiet_s)
-        return _touched_again(liveness)
+        _touched_after(liveness, quiet_s)
     finally:
         done.set()
 
 
 def test_without_a_stall_timeout_a_quiet_loop_keeps_beating(liveness):
     service.mark_progress()
-    assert _beats_on(liveness, "trainer-0", 0.0, 2 * STALL_S)
+    _beats_on(liveness, "trainer-0", 0.0, 2 * STALL_S)
 
 
 def test_a_loop_that_comes_round_keeps_beating(liveness):
@@ -117,7 +123,7 @@ def test_a_loop_that_comes_round_keeps_beating(liveness):
 
     threading.Thread(target=busy_loop, daemon=True).start()
     try:
-        assert _beats_on(liveness, "advantages-0", STALL_S, 3 * STALL_S)
+        _beats_on(liveness, "advantages-0", STALL_S, 3 * STALL_S)
     finally:
         stop.set()
 
