@@ -4,9 +4,10 @@ the object store), the trainer's MLflow run.
 - at max_staleness 0 async is strict on-policy: it trains exactly the weights colocate trains;
 - a trainer that is delayed (SIGSTOP, nothing killed) holds rollout at the staleness bound;
 - all five roles run together, with partial rollouts and object-store weight sync;
-- killed roles restart in place (the trainer from its newest checkpoint) and an audit finds no
-  group lost or trained twice; a silent or repeatedly failing role spends the restart budget
-  (in place, then the whole run) and the run gives up with a report.
+- a silent or repeatedly failing role spends the restart budget (in place, then the whole run)
+  and the run gives up with a report; a terminated launcher stops every role.
+
+Killed roles restarting in place over a pruned queue, audited: test_async_retention.py.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,13 +45,14 @@ BF16_LOGPROB = 1e-3 if NATIVE_BF16 else 1e-6  # per token (2e-4 seen there)
 ASYNC = {"mode": "async", "services": {"trainer_threads": 1, "poll_s": 0.002, "heartbeat_s": 0.2}}
 
 
-def _run(cfg_path: str) -> subprocess.Popen:
+def _run(cfg_path: str, cwd=None, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "relax_core.entrypoints.run", "--cfg", cfg_path],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=cwd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
 
 
@@ -169,13 +172,42 @@ def _flat(table, column: str) -> torch.Tensor:
     return torch.tensor([x for row in table.column(column).to_pylist() for x in row])
 
 
+_AT_THE_BOUND = re.compile(r"at the staleness bound \((\d+) groups started\)")
+
+
+def _held_at_the_bound(queue, ledger, k: int, g: int, since: float, beats: int = 3):
+    """(groups started, rollout's policy version) once rollout's heartbeats, `beats` in a row
+    written after `since`, say it waits at the staleness bound of its version with the same
+    count as the admission ledger: it stopped admitting there. A version the trainer published
+    before it stopped may still land in between; rollout then admits up to its new bound and
+    the count starts again."""
+    deadline = time.time() + 120
+    held, seen = None, 0
+    while seen < beats:
+        beat = next((b for b in queue.heartbeats() if b["role"] == "rollout"), None)
+        assert time.time() < deadline, f"rollout never held at the staleness bound: {beat}"
+        if beat is None or beat["time"] <= since:
+            time.sleep(0.02)
+            continue
+        since = beat["time"]
+        found = _AT_THE_BOUND.match(beat["info"]["state"])
+        version = beat["info"].get("policy_version", -1)
+        started = ledger.started()
+        if found and int(found.group(1)) == started == (version + k + 1) * g:
+            seen = seen + 1 if held == (started, version) else 1
+            held = (started, version)
+        else:
+            held, seen = None, 0
+    return held
+
+
 def test_a_delayed_trainer_holds_rollout_at_the_staleness_bound(small_config, workdir):
-    k, g = 2, 4
+    k, g, steps = 2, 4, 40
     cfg = small_config(
         "d.yaml",
         run_name="d",
         rollout={"max_staleness": k, "groups_per_step": g},
-        train={"total_steps": 150, "checkpoint_every": 50},
+        train={"total_steps": steps, "checkpoint_every": 20},
         algorithm={"is_mode": "tis"},
         services={**ASYNC["services"], "rollout_batch_groups": 2},
         mode="async",
@@ -193,22 +225,15 @@ def test_a_delayed_trainer_holds_rollout_at_the_staleness_bound(small_config, wo
                     trainer_pid = beat["info"]["pid"]
         time.sleep(0.05)
     assert trainer_pid is not None, "the trainer never reached version 3"
+    stopped_at = time.time()
     os.kill(trainer_pid, signal.SIGSTOP)
     try:
         assert not queue.stopped(), "the run ended before the trainer could be delayed"
         ledger = AdmissionLedger(queue)
-        time.sleep(2.0)
-        held = ledger.started()
-        time.sleep(2.0)
+        # Rollout waits at the bound, saying so in its heartbeat, and admits nothing more.
+        held, version = _held_at_the_bound(queue, ledger, k, g, since=stopped_at)
+        assert max(ledger.started_by_version()) == version
         assert ledger.started() == held, "rollout kept admitting groups while the trainer slept"
-        newest = max(ledger.started_by_version())
-        assert held == (newest + k + 1) * g, "rollout stopped short of the bound"
-        for _ in range(50):  # its heartbeat says why it waits (written when it starts waiting)
-            rollout = next(b for b in queue.heartbeats() if b["role"] == "rollout")
-            if rollout["info"]["state"].startswith("at the staleness bound"):
-                break
-            time.sleep(0.1)
-        assert rollout["info"]["state"].startswith("at the staleness bound"), rollout
     finally:
         os.kill(trainer_pid, signal.SIGCONT)
     _finish(proc)
@@ -218,7 +243,7 @@ def test_a_delayed_trainer_holds_rollout_at_the_staleness_bound(small_config, wo
         assert int(name) + body["count"] <= (body["policy_version"] + k + 1) * g
     state = read_state(_final(workdir, "d"))
     staleness = _metrics(workdir, state["tracking_run_id"], "train/staleness_max")
-    assert len(staleness) == 150 and max(staleness) <= k
+    assert len(staleness) == steps and max(staleness) <= k
     assert max(staleness) >= 1, "rollout never ran ahead of the trainer"
 
 
@@ -263,74 +288,13 @@ def _beats(workdir) -> list[dict]:
     return beats
 
 
-def _trainer_version(beats: list[dict]) -> int:
-    return max([b["info"].get("policy_version", 0) for b in beats if b["role"] == "trainer"] or [0])
+SILENCE_S = 15.0
+"""services.heartbeat_timeout_s where a test's exact sequence of recoveries is the point: the
+silence it induces (SIGSTOP) is unmistakable, and no role of a loaded 2-core box goes this long
+without touching its liveness file (MEASURED)."""
 
 
-def _kill_on_plan(proc: subprocess.Popen, workdir, plan: list[tuple[str, int]]) -> list[str]:
-    """SIGKILL each (role, at trainer version) of `plan` in order, once the trainer's heartbeat
-    reaches that version; returns the roles killed."""
-    plan, killed = list(plan), []
-    deadline = time.time() + 400
-    while plan and proc.poll() is None and time.time() < deadline:
-        role, at = plan[0]
-        beats = _beats(workdir)
-        for beat in beats:
-            if beat["role"] == role and _trainer_version(beats) >= at:
-                os.kill(beat["info"]["pid"], signal.SIGKILL)
-                killed.append(role)
-                plan.pop(0)
-                break
-        time.sleep(0.02)
-    return killed
-
-
-def test_killed_roles_restart_in_place_and_no_group_is_lost_or_trained_twice(small_config, workdir):
-    from relax_core.config import load_config
-    from relax_core.data import PromptSampler, load_prompts
-    from relax_core.queue.audit import audit_run
-    from relax_core.queue.coverage import coverage_errors, read_prompt_coverage
-
-    cfg = small_config(
-        "k.yaml",
-        run_name="k",
-        mode="async",
-        rollout={"max_staleness": 1},
-        algorithm={"proximal": "behaviour"},
-        train={"total_steps": 120, "checkpoint_every": 40},
-        services=ASYNC["services"],
-    )
-    proc = _run(cfg)
-    # rollout mid-generation, the trainer between checkpoints (it resumes from step 40 and
-    # trains again what it had trained since), then rollout again under the new trainer.
-    killed = _kill_on_plan(proc, workdir, [("rollout", 2), ("trainer", 50), ("rollout", 90)])
-    assert killed == ["rollout", "trainer", "rollout"], killed
-    _finish(proc)
-
-    ckpt = _final(workdir, "k")
-    state = read_state(ckpt)
-    assert state["policy_version"] == 120
-    with open(os.path.join(os.path.dirname(ckpt), "recovery.json")) as f:
-        recovery = json.load(f)
-    assert recovery["role_restarts"] == {"rollout-0": 2, "trainer-0": 1}
-    assert recovery["global_restarts"] == 0
-    assert [e["failure"] for e in recovery["events"]] == ["exited with code -9"] * 3
-    incarnations = [(r["role"], r["incarnation"]) for r in _roles(os.path.dirname(ckpt))]
-    assert ("rollout", 2) in incarnations and ("trainer", 1) in incarnations
-    # Every group rollout committed was trained exactly once or is still queued at the end.
-    queue = TransferQueue(".relax/queue", state["run_id"])
-    audit = audit_run(queue, state)
-    assert audit["lost_groups"] == 0 and audit["duplicated_groups"] == 0, audit
-    assert audit["trained_groups"] == 120 * 4 and audit["trained_but_never_generated"] == 0
-    # From the dataset and the queue alone (not the trained records, not the cursor), every
-    # prompt of the stream up to the end was trained once or is still queued: the blocks the
-    # killed rollouts redid skipped no position of the stream.
-    sampler = PromptSampler(len(load_prompts(load_config(cfg).data.train_path)), seed=0)
-    coverage = read_prompt_coverage(queue, sampler.num_prompts, sampler.order)
-    assert coverage_errors(coverage) == 0 and coverage["never_issued"] == 0, json.dumps(coverage)
-    assert coverage["trained_once"] == 120 * 4 and coverage["trained_steps"] == 120, coverage
-
-
+@pytest.mark.timeout(600)  # eight role processes start, three of them in a whole-run restart
 def test_a_silent_or_failing_role_is_recovered_until_the_budget_is_spent(
     small_config, workdir, hook
 ):
@@ -341,10 +305,11 @@ def test_a_silent_or_failing_role_is_recovered_until_the_budget_is_spent(
         mode="async",
         rollout={"max_staleness": 1},
         algorithm={"proximal": "behaviour"},
-        train={"total_steps": 400, "checkpoint_every": 50},
+        # Never reached: the run gives up first.
+        train={"total_steps": 100000, "checkpoint_every": 50},
         services={
             **ASYNC["services"],
-            "heartbeat_timeout_s": 3.0,
+            "heartbeat_timeout_s": SILENCE_S,
             "max_role_restarts": 1,
             "max_global_restarts": 1,
             "notify": url,
@@ -355,7 +320,7 @@ def test_a_silent_or_failing_role_is_recovered_until_the_budget_is_spent(
     # restarts, with a fresh budget per role), killed (in place again), killed: nothing left,
     # the run gives up.
     done: set[int] = set()
-    deadline = time.time() + 300
+    deadline = time.time() + 450
     while len(done) < 4 and proc.poll() is None and time.time() < deadline:
         for beat in _beats(workdir):
             pid = beat["info"].get("pid")

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 
 import pytest
 
@@ -30,8 +31,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STEPS = 60
 _STEP = re.compile(r"\bstep (\d+)/\d+ ")
+SILENCE_S = 8.0
+"""services.heartbeat_timeout_s: no role of a loaded 2-core box goes this long without
+touching its liveness file (MEASURED), so a restart here can only come from the outage."""
 OUTAGE_S = 10.0
-"""Longer than the heartbeat timeout below: a supervisor counting it as silence would kill."""
+"""Longer than SILENCE_S: a supervisor counting the outage as silence would kill."""
 
 
 class _Run:
@@ -82,15 +86,38 @@ class _Run:
         return self.proc.returncode
 
 
-def test_an_async_run_on_s3_outlives_outages_and_preemption(seaweed_s3, small_config, workdir):
+@pytest.fixture
+def server(seaweed_s3):
+    """The session's SeaweedFS, running again when the test ends whatever happened."""
+    yield seaweed_s3
+    if seaweed_s3.process.poll() is not None:
+        seaweed_s3.restart()
+
+
+@pytest.fixture
+def runs():
+    """Every _Run the test starts; one still running when the test ends is stopped as a pod
+    is (SIGTERM: the supervisor stops its roles), then killed."""
+    started: list[_Run] = []
+    yield started
+    for run in started:
+        if run.proc.poll() is None:
+            run.proc.terminate()
+            try:
+                run.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                run.proc.kill()
+                run.proc.wait()
+
+
+def test_an_async_run_on_s3_outlives_outages_and_preemption(server, runs, small_config, workdir):
     from relax_core.config import load_config
     from relax_core.data import PromptSampler, load_prompts
     from relax_core.queue.audit import audit_run
     from relax_core.queue.coverage import coverage_errors, read_prompt_coverage
 
-    server = seaweed_s3
     env = {"AWS_ACCESS_KEY_ID": server.key, "AWS_SECRET_ACCESS_KEY": server.secret}
-    root = f"s3://{server.bucket}/outage"
+    root = f"s3://{server.bucket}/outage-{uuid.uuid4().hex[:8]}"  # this test's own prefix
     sections = dict(
         run_name="o",
         mode="async",
@@ -102,19 +129,21 @@ def test_an_async_run_on_s3_outlives_outages_and_preemption(seaweed_s3, small_co
             "trainer_threads": 1,
             "poll_s": 0.01,
             "heartbeat_s": 0.5,
-            "heartbeat_timeout_s": 5.0,
+            "heartbeat_timeout_s": SILENCE_S,
             "preemption_grace_s": 60,
         },
     )
-    options = {"client_kwargs": {"endpoint_url": server.endpoint_url}}
-    os.environ.update(env)  # this process reads the run's storage too
+    options = server.storage_options()  # this process reads the run's storage too
 
     # 1. The server crashes at step >= 10 and is back OUTAGE_S later; then SIGTERM at >= 30.
     run = _Run(small_config("o.yaml", **sections), env)
+    runs.append(run)
     run.wait_for_step(10)
     server.crash()
-    time.sleep(OUTAGE_S)
-    server.restart()
+    try:
+        time.sleep(OUTAGE_S)  # the outage itself
+    finally:
+        server.restart()
     run.wait_for_step(30)
     run.proc.send_signal(signal.SIGTERM)
     assert run.end() == 128 + signal.SIGTERM, run.out
@@ -136,6 +165,7 @@ def test_an_async_run_on_s3_outlives_outages_and_preemption(seaweed_s3, small_co
     resumed = dict(sections, checkpoint={"resume": True})
     resumed["storage"] = {**sections["storage"], "outage_limit_s": 3}
     run = _Run(small_config("o2.yaml", **resumed), env)
+    runs.append(run)
     run.wait_for_step(version + 10)
     server.crash()
     try:
@@ -152,6 +182,7 @@ def test_an_async_run_on_s3_outlives_outages_and_preemption(seaweed_s3, small_co
     # 3. Resumed once more, the run ends; nothing was lost or trained twice on the way.
     resumed["storage"] = sections["storage"]
     run = _Run(small_config("o3.yaml", **resumed), env)
+    runs.append(run)
     assert run.end(timeout=200) == 0, run.out
     final = read_state(find_resume_checkpoint(f"{root}/checkpoints", "o", options), options)
     assert final["run_id"] == state["run_id"] and final["policy_version"] == STEPS
