@@ -30,7 +30,7 @@ from tests.integration.test_async_run import ASYNC, _beats, _final, _roles, _run
 
 # The first test's bound covers the run (the module's fixture): six role processes, three of
 # them restarts.
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.soak, pytest.mark.timeout(600)]
 
 STEPS, EVERY, GROUPS = 30, 3, 4
 PLAN = [("rollout", 8), ("trainer", 16), ("rollout", 23)]

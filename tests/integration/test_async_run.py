@@ -80,6 +80,7 @@ def _metrics(workdir, run_id: str, key: str) -> list[float]:
     return [m.value for m in sorted(history, key=lambda m: m.step)]
 
 
+@pytest.mark.slow
 def test_async_at_staleness_zero_trains_exactly_what_colocate_trains(small_config, workdir):
     train = {"total_steps": 6, "checkpoint_every": 3}
     colocate = small_config("c.yaml", run_name="c", train=train)
@@ -107,6 +108,7 @@ def test_async_at_staleness_zero_trains_exactly_what_colocate_trains(small_confi
     assert _metrics(workdir, state["tracking_run_id"], "train/staleness_max") == [0.0] * 6
 
 
+@pytest.mark.slow
 def test_a_bf16_policy_trains_on_float32_master_weights_in_both_modes(small_config, workdir):
     from relax_core.train.backend import MASTER_WEIGHTS_FILE
 
@@ -135,6 +137,7 @@ def test_a_bf16_policy_trains_on_float32_master_weights_in_both_modes(small_conf
         torch.testing.assert_close(a_master[name], weight, rtol=0, atol=BF16_ATOL)
 
 
+@pytest.mark.slow
 def test_bf16_matmuls_in_async_roles_compute_as_the_trainer(small_config, workdir):
     """`model.matmul_dtype` in async mode: the rollout role's engine, the actor_fwd and the
     reference roles compute as the trainer does under autocast. At staleness 0 the log-probs
@@ -201,6 +204,7 @@ def _held_at_the_bound(queue, ledger, k: int, g: int, since: float, beats: int =
     return held
 
 
+@pytest.mark.slow
 def test_a_delayed_trainer_holds_rollout_at_the_staleness_bound(small_config, workdir):
     k, g, steps = 2, 4, 40
     cfg = small_config(
@@ -247,6 +251,7 @@ def test_a_delayed_trainer_holds_rollout_at_the_staleness_bound(small_config, wo
     assert max(staleness) >= 1, "rollout never ran ahead of the trainer"
 
 
+@pytest.mark.slow
 def test_all_five_roles_with_partial_rollouts_over_object_store_sync(small_config, workdir):
     cfg = small_config(
         "f.yaml",
@@ -294,6 +299,8 @@ silence it induces (SIGSTOP) is unmistakable, and no role of a loaded 2-core box
 without touching its liveness file (MEASURED)."""
 
 
+@pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.timeout(600)  # eight role processes start, three of them in a whole-run restart
 def test_a_silent_or_failing_role_is_recovered_until_the_budget_is_spent(
     small_config, workdir, hook
@@ -349,6 +356,7 @@ def test_a_silent_or_failing_role_is_recovered_until_the_budget_is_spent(
     assert notes[-1]["type"] == "failure" and "rollout-0" in notes[-1]["message"]
 
 
+@pytest.mark.slow
 def test_a_terminated_launcher_stops_every_role(small_config, workdir):
     """SIGTERM to the launcher (a `kill`, a stopped pod) stops the roles it started instead of
     leaving them running without a supervisor."""

@@ -97,6 +97,7 @@ def _succeeded(client: ScaleClient, op: dict) -> None:
     assert done["status"] == "succeeded", done
 
 
+@pytest.mark.slow
 def test_engines_scale_out_register_and_drain_mid_run_and_no_group_is_lost(small_config, workdir):
     cfg = small_config(
         "e.yaml",

@@ -59,6 +59,7 @@ def reference_step(model, optimizer, table, eps_low: float, eps_high: float) -> 
     return float(norm)
 
 
+@pytest.mark.slow
 def test_the_engine_update_equals_a_plain_grpo_update_on_its_rows(workdir, monkeypatch):
     torch.set_num_threads(1)
     cfg = load_config(os.path.join(REPO, "configs", "cpu-default.yaml"))

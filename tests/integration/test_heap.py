@@ -60,6 +60,7 @@ def _run(script: str, tmp_path, **env_over: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_full_collections_in_rl_steps_skip_the_long_lived_heap(tmp_path):
     result = _run(SCRIPT, tmp_path)
     # torch, transformers and mlflow alone are well over 100k objects.

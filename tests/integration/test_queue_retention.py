@@ -44,6 +44,7 @@ def _count(queue: TransferQueue, prefixes=ENTRY_PREFIXES) -> int:
     return sum(len(fs.find(queue.store.full_path(prefix))) for prefix in prefixes)
 
 
+@pytest.mark.slow
 def test_a_pruned_queue_stays_bounded_and_a_kept_one_grows(server):
     run_id = f"bounded-{time.time_ns()}"
     pruned = _queue(server, f"{run_id}-prune")
@@ -70,6 +71,7 @@ def test_a_pruned_queue_stays_bounded_and_a_kept_one_grows(server):
     assert stages["rollout"]["pruned"]["entries"] == STEPS - 2
 
 
+@pytest.mark.slow
 def test_readers_racing_deletions_lose_and_quarantine_nothing(server):
     run_id = f"race-{time.time_ns()}"
     run = RunShape(_queue(server, run_id), every=1, keep=1, keep_versions=0)

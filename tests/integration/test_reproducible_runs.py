@@ -126,6 +126,7 @@ def _assert_same_run(workdir, steps: int) -> None:
         assert weights_b[name].equal(tensor), name
 
 
+@pytest.mark.slow
 def test_colocate_runs_repeat_bit_for_bit(workdir, policy_cache):
     """configs/cpu-default.yaml as it ships (train.deterministic on)."""
     steps = 3

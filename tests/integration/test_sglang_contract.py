@@ -29,6 +29,9 @@ from relax_core.sync.sglang import SGLangSender
 from tests.integration.weight_sync_actors import engine_prompts, tiny_policy
 from tests.s3servers import free_ports
 
+# The module's stand-in servers take 15-20 s to start on 2 cores, and almost every test reads them.
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

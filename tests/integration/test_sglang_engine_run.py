@@ -71,6 +71,7 @@ def test_the_command_line_says_what_sglang_needs():
     assert cmd[-4:] == ["--dp-size", "2", "--log-level", "warning"]
 
 
+@pytest.mark.slow
 def test_a_started_server_serves_and_stops_with_its_process_group(
     sglang_on_path, tiny_checkpoint, tmp_path
 ):
@@ -122,6 +123,7 @@ def _run(cfg: str, timeout: float = 600) -> str:
     return out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_an_async_run_on_sglang_engines_trains_every_group_once(
     small_config, workdir, sglang_on_path, monkeypatch
 ):
@@ -182,6 +184,7 @@ def _servers_started_in(where) -> list[int]:
     ]
 
 
+@pytest.mark.slow
 def test_a_killed_rollout_worker_takes_its_server_with_it(
     sglang_on_path, tiny_checkpoint, tmp_path
 ):
@@ -218,6 +221,7 @@ def test_a_killed_rollout_worker_takes_its_server_with_it(
             os.killpg(pid, signal.SIGKILL)  # its own session: the server and its children
 
 
+@pytest.mark.slow
 def test_a_colocate_run_on_sglang_takes_turns_with_the_trainer(
     small_config, workdir, sglang_on_path, monkeypatch
 ):

@@ -86,6 +86,7 @@ def _until(condition, what: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_server_warming_up_answers_503_and_the_client_waits_for_it(tmp_path, monkeypatch):
     (port,) = free_ports(1)
     url = f"http://127.0.0.1:{port}"
@@ -152,6 +153,7 @@ def slow_server():
         proc.wait()
 
 
+@pytest.mark.slow
 def test_a_retracted_request_runs_again_under_the_new_weights_and_does_not_fail(slow_server):
     client = slow_server
     served, tok = tiny_policy(0)  # the server's policy
@@ -200,6 +202,7 @@ def tp2_servers():
         yield clients
 
 
+@pytest.mark.slow
 def test_two_servers_of_two_tp_ranks_each_join_at_their_own_ranks(tp2_servers):
     trainer, _ = tiny_policy(4)
     named = list(trainer.named_parameters())
@@ -223,6 +226,7 @@ def dp2_server():
         yield client
 
 
+@pytest.mark.slow
 def test_a_server_with_data_parallel_replicas_is_refused_by_name(dp2_server):
     url = dp2_server.url
     trainer, _ = tiny_policy(4)
@@ -239,6 +243,7 @@ def test_a_server_with_data_parallel_replicas_is_refused_by_name(dp2_server):
         sender.destroy()
 
 
+@pytest.mark.slow
 def test_tensor_updates_are_refused_by_a_server_with_data_parallel_replicas(dp2_server):
     with pytest.raises(SGLangError, match="HTTP 500.*data-parallel"):
         dp2_server.post_ok("/update_weights_from_tensor", {"serialized_named_tensors": ["AA=="]})
@@ -294,6 +299,7 @@ def _ignored(client: SGLangClient, named: list) -> list[str]:
     return sorted(n for n, _ in named if n not in consumed)
 
 
+@pytest.mark.slow
 def test_sglang_loads_moe_experts_by_their_per_expert_names_only(moe_server):
     client, vocab = moe_server
     trainer = build_tiny_qwen3(ModelConfig(**MOE, **MOE_EXPERTS), vocab, seed=1)

@@ -110,6 +110,7 @@ def runs():
                 run.proc.wait()
 
 
+@pytest.mark.soak
 def test_an_async_run_on_s3_outlives_outages_and_preemption(server, runs, small_config, workdir):
     from relax_core.config import load_config
     from relax_core.data import PromptSampler, load_prompts

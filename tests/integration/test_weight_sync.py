@@ -332,6 +332,7 @@ def _assert_no_mixed_weights(result: dict, versions: int) -> None:
     assert len(seen) >= 4 and {v % 2 for v in seen} == {0, 1}, sorted(seen)
 
 
+@pytest.mark.slow
 def test_engine_never_generates_with_half_updated_weights_broadcast(tmp_path, sender_cleanup):
     proc = _spawn(tmp_path, "engine", "broadcast", bucket_bytes=BUCKET)
     model, _ = tiny_policy(0)
@@ -347,6 +348,7 @@ def test_engine_never_generates_with_half_updated_weights_broadcast(tmp_path, se
     _assert_no_mixed_weights(json.loads((tmp_path / "engine-r1.json").read_text()), 30)
 
 
+@pytest.mark.slow
 def test_engine_never_generates_with_half_updated_weights_object_store(tmp_path):
     proc = _spawn(tmp_path, "engine", "store")
     model, _ = tiny_policy(0)

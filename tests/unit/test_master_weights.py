@@ -69,6 +69,7 @@ def _train(backend: TorchBackend, mb, steps: int) -> None:
         backend.train_step([mb], _loss)
 
 
+@pytest.mark.slow
 def test_a_1e6_step_changes_the_bf16_weights_engines_receive(rollout):
     bf16_model, mb = rollout
     master = TorchBackend(copy.deepcopy(bf16_model).float(), lr=LR, compute_dtype=BF16)
