@@ -1,16 +1,19 @@
 """Where the suite's time goes: each test file's total from a pytest junit XML report (setup,
 call and teardown of its tests, module fixtures included), slowest first, then the sum.
 
-    python scripts/durations.py junit.xml [--top 25]
+    python scripts/durations.py junit.xml [--top 25] [--write tests/file_times.json]
 
 scripts/test.sh prints it after every run, so CI's log keeps the numbers the next contributor
-re-ranks the suite's costs on.
+re-ranks the suite's costs on. `--write` saves every file's seconds as JSON: tests/conftest.py
+hands the two workers the slowest files first from tests/file_times.json, so no heavy file is
+left to run alone at the end (refresh it from a whole-suite run when the costs move).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import xml.etree.ElementTree as ET
 
 
@@ -45,8 +48,13 @@ def main() -> None:
     parser.add_argument("report")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--elapsed", type=float, help="the run's wall-clock seconds, to print")
+    parser.add_argument("--write", metavar="JSON", help="save each file's seconds here")
     args = parser.parse_args()
     times = sorted(file_times(args.report).items(), key=lambda kv: -kv[1][0])
+    if args.write:
+        with open(args.write, "w") as f:
+            json.dump({name: round(t, 1) for name, (t, _) in times}, f, indent=0)
+            f.write("\n")
     total = sum(t for _, (t, _) in times)
     print(f"\n==== time per test file (top {args.top} of {len(times)}) ====")
     for name, (seconds, count) in times[: args.top]:

@@ -21,6 +21,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_collection_modifyitems(config, items):
+    _slowest_files_first(items)
     try:
         import torch
 
@@ -33,6 +34,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _slowest_files_first(items) -> None:
+    """Order the test files by their measured time, slowest first (tests/file_times.json,
+    written by scripts/durations.py --write; a file it does not know yet goes first), each
+    file's tests kept together and in order. scripts/test.sh hands whole files to the workers
+    in this order (--dist loadfile --no-loadscope-reorder), so the long runs start early and
+    the last minutes are not one heavy file on one worker while the other idles."""
+    try:
+        with open(os.path.join(REPO, "tests", "file_times.json")) as f:
+            seconds = json.load(f)
+    except (OSError, ValueError):
+        return
+    first = float("inf")
+
+    def weight(item) -> float:
+        path = os.path.relpath(str(item.path), REPO)
+        return -seconds.get(path, first)
+
+    items.sort(key=weight)
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
