@@ -34,7 +34,7 @@ from relax_core.config import config_from_dict, config_to_dict
 from tests.rehearsal.cluster import REPO, open_cluster
 from tests.rehearsal.driver import PodError, kill_after, newer_checkpoint
 from tests.rehearsal.outputs import LocalPathInOutput, check_outputs
-from tests.rehearsal.pods import image_files
+from tests.rehearsal.pods import check_interpreter_visible, image_files
 
 ROOT_PREFIX = "runs"
 """Both runs share one storage root (each has its own run id under it), so the second run finds
@@ -121,6 +121,17 @@ def test_the_output_check_passes_storage_urls_image_files_and_the_config() -> No
         "execution": "async-tasks",
     }
     check_outputs("x", outputs, "s3://rehearsal/runs", image_files(REPO), [cfg_json])
+
+
+@pytest.mark.parametrize(
+    "python, prefix",
+    [("/tmp/venv/bin/python3", "/tmp/venv"), ("/usr/bin/python3", "/dev/shm/env")],
+)
+def test_a_python_that_pods_cannot_see_is_refused_by_name(python, prefix) -> None:
+    """Pods mount their own /tmp: a virtualenv there would fail every pod at its first line."""
+    with pytest.raises(RuntimeError, match="cannot start pods from /(tmp/venv|dev/shm/env)"):
+        check_interpreter_visible(python, prefix)
+    check_interpreter_visible("/usr/bin/python3", "/usr")  # where pods see it
 
 
 @pytest.mark.integration

@@ -229,6 +229,25 @@ class Pod:
         return f"; log {self.log_path} ends with:\n{self.log_tail()}"
 
 
+POD_PRIVATE_DIRS = ("/tmp", "/dev/shm", "/var/tmp")
+"""Where an isolated pod mounts tmpfs of its own (POD_SCRIPT): the host's files there are out of
+its sight."""
+
+
+def check_interpreter_visible(python: str = sys.executable, prefix: str = sys.prefix) -> None:
+    """Refuse, naming the path, an interpreter or virtualenv that isolated pods cannot see: each
+    pod would otherwise fail at its first line (`exec: .../python3: not found` in every pod's
+    log)."""
+    for path in (python, os.path.realpath(python), prefix, os.path.realpath(prefix)):
+        for private in POD_PRIVATE_DIRS:
+            if path == private or path.startswith(private + "/"):
+                raise RuntimeError(
+                    f"the pod rehearsal cannot start pods from {path}: each pod mounts a disk of "
+                    f"its own on {private}, so the Python that runs the tests must live outside "
+                    f"{', '.join(POD_PRIVATE_DIRS)} (make the virtualenv elsewhere)"
+                )
+
+
 class PodLauncher:
     """Makes pods on one network, with one log directory and the env every pod shares."""
 
@@ -240,6 +259,8 @@ class PodLauncher:
         env: dict[str, str],
         scratch_dir: str | os.PathLike | None = None,
     ) -> None:
+        if network.isolated:
+            check_interpreter_visible()
         self.network, self.repo = network, os.path.abspath(repo)
         self.logs_dir = Path(logs_dir)
         self.logs_dir.mkdir(parents=True, exist_ok=True)
