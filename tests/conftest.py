@@ -8,6 +8,8 @@ import os
 import signal
 import tempfile
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -104,16 +106,31 @@ def process_state_kept():
     torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
+def _enter_workdir(path, monkeypatch) -> None:
+    """Make `path` a run's directory (the repo's datasets/ seen from it, flytekit's temp files
+    in its tmp/) and the current one, through `monkeypatch`."""
+    os.symlink(os.path.join(REPO, "datasets"), path / "datasets")
+    tmp = path / "tmp"
+    tmp.mkdir()
+    monkeypatch.chdir(path)
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+
+
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
     """Run in a fresh directory that sees the repo's datasets/ and keeps flytekit's temp files."""
-    os.symlink(os.path.join(REPO, "datasets"), tmp_path / "datasets")
-    monkeypatch.chdir(tmp_path)
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    monkeypatch.setenv("TMPDIR", str(tmp))
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    _enter_workdir(tmp_path, monkeypatch)
     return tmp_path
+
+
+def workdir_for(factory: pytest.TempPathFactory, name: str) -> Iterator[Path]:
+    """`workdir` for a module-scoped fixture: a fresh directory, current while the caller's
+    `for` lasts."""
+    path = factory.mktemp(name)
+    with pytest.MonkeyPatch.context() as mp:
+        _enter_workdir(path, mp)
+        yield path
 
 
 SMALL_RUN = {
@@ -151,16 +168,22 @@ def _merge(base: dict, over: dict) -> dict:
 @pytest.fixture
 def small_config(workdir):
     """Write a small, fast run config into the work dir; keyword sections override SMALL_RUN."""
-    import yaml
 
     def write(name: str = "run.yaml", **sections) -> str:
-        data = _merge(SMALL_RUN, sections)
-        data.setdefault("tracking", {})["tracking_uri"] = f"sqlite:///{workdir}/mlflow.db"
-        path = workdir / name
-        path.write_text(yaml.safe_dump(data))
-        return str(path)
+        return write_small_config(workdir, name, **sections)
 
     return write
+
+
+def write_small_config(where, name: str, **sections) -> str:
+    """SMALL_RUN under `sections`, tracked in `where`/mlflow.db, written to `where`/`name`."""
+    import yaml
+
+    data = _merge(SMALL_RUN, sections)
+    data.setdefault("tracking", {})["tracking_uri"] = f"sqlite:///{where}/mlflow.db"
+    path = where / name
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
 
 
 def _s3_server(start, *args):

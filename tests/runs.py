@@ -174,3 +174,31 @@ def _log_tails(logs: str) -> str:
         if tail.strip():
             tails.append(f"--- {path}\n{tail}")
     return "\n".join(tails)
+
+
+RUN_TIMEOUT_S = 270.0
+"""run_small's deadline: one small run took 40-180 s on a 2-core machine under a load of 5 to 20;
+past it the test fails with its processes' stacks, before pytest-timeout's bound (300 s)."""
+
+
+def run_small(workdir, name: str, timeout_s: float = RUN_TIMEOUT_S, **sections) -> str:
+    """Run a small config (tests/conftest.py's SMALL_RUN under `sections`) written to
+    `workdir`/`name` to its end, with run_to_end's deadline; returns the run's stderr, kept
+    beside the config as <name>.stderr (and stdout as <name>.stdout)."""
+    from tests.conftest import write_small_config
+
+    cfg = write_small_config(workdir, name, **sections)
+    out = run_to_end(cfg, timeout_s=timeout_s)
+    for stream in ("stdout", "stderr"):  # kept per run: the next run's would overwrite them
+        os.replace(os.path.join(workdir, f"run.{stream}"), os.path.splitext(cfg)[0] + f".{stream}")
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-6000:]
+    return out.stderr
+
+
+def wait_until(condition, what: str, timeout_s: float = 60.0, every_s: float = 0.05) -> None:
+    """Poll `condition` every `every_s` until it holds; fail naming `what` did not happen
+    within `timeout_s` (a loaded 2-core machine's bound, far above what it needs)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
+        time.sleep(every_s)

@@ -18,14 +18,14 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
-import yaml
 
 from relax_core.queue import TransferQueue
 from relax_core.train.checkpoint import read_state
-from tests.conftest import REPO, SMALL_RUN, _merge
+from tests.conftest import workdir_for, write_small_config
 from tests.integration.test_async_run import ASYNC, _beats, _final, _roles, _run
 
 # The first test's bound covers the run (the module's fixture): six role processes, three of
@@ -62,42 +62,39 @@ def _kill_on_plan(proc: subprocess.Popen, workdir, plan: list[tuple[str, int]]) 
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> SimpleNamespace:
+def run(tmp_path_factory) -> Iterator[SimpleNamespace]:
     """The run, killed on PLAN and ended; what the tests read of it."""
-    where = tmp_path_factory.mktemp("killed")
-    os.symlink(os.path.join(REPO, "datasets"), where / "datasets")
-    (where / "tmp").mkdir()
-    sections = {
-        "run_name": "k",
-        "mode": "async",
-        "rollout": {"max_staleness": 1, "groups_per_step": GROUPS},
-        "algorithm": {"proximal": "behaviour"},
-        "train": {"total_steps": STEPS, "checkpoint_every": EVERY, "keep_checkpoints": 2},
-        "queue": {"keep_versions": 1},
-        "services": ASYNC["services"],
-        "tracking": {"tracking_uri": f"sqlite:///{where}/mlflow.db"},
-    }
-    cfg = where / "k.yaml"
-    cfg.write_text(yaml.safe_dump(_merge(SMALL_RUN, sections)))
-    proc = _run(str(cfg), cwd=where, env={"TMPDIR": str(where / "tmp")})
-    try:
-        killed = _kill_on_plan(proc, where, PLAN)
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:  # the supervisor stops its roles on SIGTERM
-            proc.terminate()
-            proc.communicate(timeout=120)
-    assert killed == [role for role, _ in PLAN], (killed, out)
-    assert proc.returncode == 0, out
-    ckpt = _final(where, "k")
-    state = read_state(ckpt)
-    return SimpleNamespace(
-        where=where,
-        cfg=str(cfg),
-        run_dir=os.path.dirname(ckpt),
-        state=state,
-        queue=TransferQueue(str(where / ".relax" / "queue"), state["run_id"]),
-    )
+    for where in workdir_for(tmp_path_factory, "killed"):
+        cfg = write_small_config(
+            where,
+            "k.yaml",
+            run_name="k",
+            mode="async",
+            rollout={"max_staleness": 1, "groups_per_step": GROUPS},
+            algorithm={"proximal": "behaviour"},
+            train={"total_steps": STEPS, "checkpoint_every": EVERY, "keep_checkpoints": 2},
+            queue={"keep_versions": 1},
+            services=ASYNC["services"],
+        )
+        proc = _run(cfg)
+        try:
+            killed = _kill_on_plan(proc, where, PLAN)
+            out, _ = proc.communicate(timeout=240)
+        finally:
+            if proc.poll() is None:  # the supervisor stops its roles on SIGTERM
+                proc.terminate()
+                proc.communicate(timeout=120)
+        assert killed == [role for role, _ in PLAN], (killed, out)
+        assert proc.returncode == 0, out
+        ckpt = _final(where, "k")
+        state = read_state(ckpt)
+        yield SimpleNamespace(
+            where=where,
+            cfg=cfg,
+            run_dir=os.path.dirname(ckpt),
+            state=state,
+            queue=TransferQueue(str(where / ".relax" / "queue"), state["run_id"]),
+        )
 
 
 def test_killed_roles_restart_in_place_and_the_run_ends(run) -> None:

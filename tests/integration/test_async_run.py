@@ -45,14 +45,13 @@ BF16_LOGPROB = 1e-3 if NATIVE_BF16 else 1e-6  # per token (2e-4 seen there)
 ASYNC = {"mode": "async", "services": {"trainer_threads": 1, "poll_s": 0.002, "heartbeat_s": 0.2}}
 
 
-def _run(cfg_path: str, cwd=None, env: dict | None = None) -> subprocess.Popen:
+def _run(cfg_path: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "relax_core.entrypoints.run", "--cfg", cfg_path],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        cwd=cwd,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
 
 

@@ -10,21 +10,19 @@ tests/integration/test_omni_run.py's.)"""
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from relax_core.models import lora
 from relax_core.models.lora import ADAPTER_DIR
 from relax_core.train.checkpoint import list_checkpoints, read_state
-from tests.conftest import REPO, SMALL_RUN, _merge
+from tests.conftest import workdir_for
 from tests.integration.test_async_run import ASYNC, _final, _metrics
-from tests.runs import run_to_end
+from tests.runs import run_small
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # whole runs, each over 5 s
 
@@ -34,38 +32,6 @@ LORA = {
     # LoRA policy with its adapters off (colocate) or the starting policy (async's reference).
     "algorithm": {"entropy_coef": 0.01, "kl_coef": 0.01},
 }
-# One run here took 40-180 s on a 2-core machine under a load of 5 to 20; past this deadline
-# it fails with its processes' stacks, before pytest-timeout's bound (300 s) would.
-RUN_TIMEOUT_S = 270.0
-
-
-def workdir_for(factory: pytest.TempPathFactory, name: str) -> Iterator[Path]:
-    """tests/conftest.py's `workdir` for a module-scoped fixture: a fresh directory that sees
-    the repo's datasets/, current while the caller lasts, with flytekit's temp files in its
-    tmp/."""
-    workdir = factory.mktemp(name)
-    os.symlink(os.path.join(REPO, "datasets"), workdir / "datasets")
-    (workdir / "tmp").mkdir()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(workdir)
-        mp.setenv("TMPDIR", str(workdir / "tmp"))
-        mp.setattr(tempfile, "tempdir", str(workdir / "tmp"))
-        yield workdir
-
-
-def run_config(workdir: Path, name: str, timeout_s: float = RUN_TIMEOUT_S, **sections) -> str:
-    """Run a small config (tests/conftest.py's SMALL_RUN under `sections`) written to
-    `workdir`/`name` to its end (tests/runs.py: a deadline, every process's stacks past it);
-    returns the run's stderr, kept beside the config as <name>.stderr."""
-    data = _merge(SMALL_RUN, sections)
-    data["tracking"]["tracking_uri"] = f"sqlite:///{workdir}/mlflow.db"
-    cfg = workdir / name
-    cfg.write_text(yaml.safe_dump(data))
-    out = run_to_end(str(cfg), timeout_s=timeout_s)
-    for stream in ("stdout", "stderr"):  # kept per run: the next run's would overwrite them
-        os.replace(workdir / f"run.{stream}", cfg.with_suffix(f".{stream}"))
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-6000:]
-    return out.stderr
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +49,8 @@ def both_modes(module_workdir: Path) -> tuple[str, str]:
     """(colocate's, async's) final checkpoints of one LoRA run each at max_staleness 0; the
     colocate run registers its policy as `lora-policy`."""
     registered = {"tracking": {"registered_model": "lora-policy"}}
-    run_config(module_workdir, "c.yaml", run_name="c", **LORA, **registered)
-    run_config(module_workdir, "a.yaml", run_name="a", **LORA, **ASYNC)
+    run_small(module_workdir, "c.yaml", run_name="c", **LORA, **registered)
+    run_small(module_workdir, "a.yaml", run_name="a", **LORA, **ASYNC)
     return _final(module_workdir, "c"), _final(module_workdir, "a")
 
 
@@ -153,7 +119,7 @@ def test_the_registered_lora_policy_is_the_final_base_and_adapter(module_workdir
 def fsdp_colocate_run(module_workdir: Path) -> str:
     """The final checkpoint of a colocate LoRA run on the FSDP2 backend (one rank)."""
     train = {**LORA["train"], "eval_every": 2, "backend": "fsdp"}
-    run_config(module_workdir, "f.yaml", run_name="f", train=train, algorithm=LORA["algorithm"])
+    run_small(module_workdir, "f.yaml", run_name="f", train=train, algorithm=LORA["algorithm"])
     return _final(module_workdir, "f")
 
 

@@ -24,9 +24,9 @@ from relax_core.queue import TransferQueue
 from relax_core.queue.audit import audit_run
 from relax_core.storage import read_json
 from relax_core.train.checkpoint import list_checkpoints, read_state
-from tests.conftest import SMALL_RUN
+from tests.conftest import SMALL_RUN, workdir_for
 from tests.integration.test_async_run import _final, _metrics
-from tests.integration.test_lora_run import run_config, workdir_for
+from tests.runs import run_small
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -77,7 +77,7 @@ class TwoRankRun:
 def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoRankRun]:
     for workdir in workdir_for(tmp_path_factory, "two-ranks"):
         # 40-100 s under a load of 5 to 20; a run that hangs fails with every rank's stacks.
-        stderr = run_config(workdir, "fsdp.yaml", **RUN)
+        stderr = run_small(workdir, "fsdp.yaml", **RUN)
         final = _final(workdir, "fsdp")
         yield TwoRankRun(workdir, stderr, final, read_state(final))
 
@@ -137,7 +137,7 @@ def full_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoRankRun]:
     """The same run with full weights: rank 0 gathers every sharded weight for the sync."""
     train = {k: v for k, v in RUN["train"].items() if k != "lora"}
     for workdir in workdir_for(tmp_path_factory, "two-ranks-full"):
-        stderr = run_config(workdir, "full.yaml", **{**RUN, "train": train, "run_name": "full"})
+        stderr = run_small(workdir, "full.yaml", **{**RUN, "train": train, "run_name": "full"})
         final = _final(workdir, "full")
         yield TwoRankRun(workdir, stderr, final, read_state(final))
 

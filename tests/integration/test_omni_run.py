@@ -34,9 +34,9 @@ from relax_core.queue import TransferQueue
 from relax_core.roles.media import resolver_for
 from relax_core.roles.reference import add_ref_logprobs
 from relax_core.train.checkpoint import find_resume_checkpoint, list_checkpoints, read_state
+from tests.conftest import workdir_for
 from tests.integration.test_async_run import ASYNC
-from tests.integration.test_lora_run import run_config, workdir_for
-from tests.runs import run_to_end
+from tests.runs import run_small, run_to_end
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # whole runs, each over 5 s
 
@@ -127,7 +127,7 @@ def lora_async(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path,
         rollout = {**OMNI["rollout"], "max_staleness": 1}
         services = {**ASYNC["services"], "weight_sync": "object_store", "actor_fwd": True}
         sections = {**OMNI, "train": train, "algorithm": algorithm, "rollout": rollout}
-        run_config(
+        run_small(
             workdir,
             "o.yaml",
             run_name="o",

@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -27,6 +26,7 @@ from relax_core.sync.buckets import specs_of
 from relax_core.sync.process_group import leave_weight_group
 from relax_core.sync.sglang import SGLangSender
 from tests.integration.weight_sync_actors import engine_prompts, tiny_policy
+from tests.runs import wait_until
 from tests.s3servers import free_ports
 
 # The module's stand-in servers take 15-20 s to start on 2 cores, and almost every test reads them.
@@ -93,15 +93,6 @@ def _generated_under(client: SGLangClient, version: int, since: int, failed: lis
     failed)."""
     ended = ["generate_end", str(version)]
     return bool(failed) or ended in [e[1:3] for e in _events(client)[since:]]
-
-
-def _until(condition, what: str, timeout_s: float = 60.0) -> None:
-    """Poll `condition` until it holds; fail naming `what` did not happen within `timeout_s`
-    (a loaded 2-core machine's bound, far above what it needs)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s:.0f} s: {what}"
-        time.sleep(0.02)
 
 
 def test_generate_parses_sglang_answers(servers):
@@ -172,9 +163,10 @@ def test_updates_arrive_bit_exact_with_generation_paused(servers):
             assert kinds.count("update_begin") == len(sender.buckets) > 1
             assert not {"generate_start", "generate_end"} & set(kinds[first : last + 1])
             # Generation runs under this version before the next update.
-            _until(
+            wait_until(
                 functools.partial(_generated_under, client, version, started, failed),
                 f"a generate call ended under version {version}",
+                every_s=0.02,
             )
             assert not failed, failed
     finally:
@@ -203,9 +195,10 @@ def test_an_update_while_requests_run_succeeds_in_each_pause_mode(servers, mode)
         sender.init()
         started = len(_events(client))
         worker.start()
-        _until(
+        wait_until(
             lambda: "generate_start" in [e[1] for e in _events(client)[started:]],
             "generation started",
+            every_s=0.02,
         )
         # An update arrives while a request runs: retract takes it out of the batch and the
         # cache is flushed; in_place keeps it running, so no flush may be asked for.

@@ -29,6 +29,7 @@ from relax_core.sync.buckets import specs_of
 from relax_core.sync.sglang import SGLangSender
 from tests.integration.test_sglang_contract import ROOT, _digest, fake_servers
 from tests.integration.weight_sync_actors import engine_prompts, tiny_policy
+from tests.runs import wait_until
 from tests.s3servers import free_ports
 
 pytestmark = pytest.mark.integration
@@ -79,13 +80,6 @@ class _HealthAnswers(SGLangClient):
         return answer
 
 
-def _until(condition, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s:.0f} s: {what}"
-        time.sleep(0.05)
-
-
 @pytest.mark.slow
 def test_a_server_warming_up_answers_503_and_the_client_waits_for_it(tmp_path, monkeypatch):
     (port,) = free_ports(1)
@@ -109,7 +103,7 @@ def test_a_server_warming_up_answers_503_and_the_client_waits_for_it(tmp_path, m
         assert _status(f"{url}/health") == 503
         assert _status(f"{url}/health_generate") == 503
         waiter.start()
-        _until(lambda: len(client.answers) >= 2, "wait_healthy polled /health twice")
+        wait_until(lambda: len(client.answers) >= 2, "wait_healthy polled /health twice")
         assert waiter.is_alive(), waited  # told 503 twice, it still waits
         assert all("HTTP 503" in a for a in client.answers), client.answers
         warmed.touch()
@@ -173,7 +167,7 @@ def test_a_retracted_request_runs_again_under_the_new_weights_and_does_not_fail(
         worker.start()
         # The update lands mid-generation: the request runs (the first of its 10 decode steps of
         # 0.3 s ends after this), so the pause retracts it at a step boundary.
-        _until(
+        wait_until(
             lambda: any(e[1] == "generate_start" for e in client.get("/relax_test/events")),
             "the request started generating",
         )

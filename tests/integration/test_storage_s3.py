@@ -19,7 +19,6 @@ from types import SimpleNamespace
 
 import pytest
 import s3fs
-import yaml
 
 from relax_core.queue import TransferQueue
 from relax_core.queue.inspect import summarize
@@ -31,7 +30,7 @@ from relax_core.train.checkpoint import (
     read_state,
     save_checkpoint,
 )
-from tests.conftest import REPO, SMALL_RUN, _merge
+from tests.conftest import REPO, write_small_config
 
 pytestmark = [pytest.mark.integration]
 
@@ -145,10 +144,7 @@ def _run(cfg_path: str, env: dict, cwd) -> subprocess.CompletedProcess:
 
 
 def _config(where, name: str, **sections) -> str:
-    data = _merge(SMALL_RUN, {**sections, "run_name": "s3whole"})
-    data["tracking"]["tracking_uri"] = f"sqlite:///{where}/mlflow.db"
-    (where / name).write_text(yaml.safe_dump(data))
-    return str(where / name)
+    return write_small_config(where, name, run_name="s3whole", **sections)
 
 
 @pytest.fixture(scope="module")

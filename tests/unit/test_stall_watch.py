@@ -16,6 +16,7 @@ import pytest
 
 from relax_core.config import ConfigError, load_config, replace
 from relax_core.roles import service
+from tests.runs import wait_until
 
 EVERY_S = 0.02
 STALL_S = 0.4
@@ -27,10 +28,7 @@ def _mtime(path) -> int:
 
 
 def _until(condition, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {DEADLINE_S} s: {what}"
-        time.sleep(EVERY_S)
+    wait_until(condition, what, DEADLINE_S, EVERY_S)
 
 
 def _touched_after(path, seconds: float) -> None:
