@@ -33,18 +33,15 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import os
-import subprocess
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from relax_core.rollout.engine import Completion, SamplingParams
+from relax_core.rollout.server_client import ServerClient
+from relax_core.rollout.server_client import ServerError as SGLangError
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 API_KEY_ENV = "RELAX_SGLANG_API_KEY"
@@ -63,59 +60,16 @@ def adapter_version(name: str) -> int | None:
     return int(digits) if digits.isdigit() else None
 
 
-class SGLangError(RuntimeError):
-    """An SGLang server refused a request, answered something unreadable, or is unreachable."""
-
-
-class SGLangClient:
-    """JSON over HTTP to one server; every failure names the server, the path and the reason.
+class SGLangClient(ServerClient):
+    """JSON over HTTP to one SGLang server.
 
     A server started with `--api-key` (the rollout pod's sidecar on a cluster) answers nothing
     but /health without it; the key comes from $RELAX_SGLANG_API_KEY, which the rollout and
     trainer pods get from the run's Kubernetes secret (tasks/pods.py)."""
 
     def __init__(self, url: str, timeout_s: float = 600.0, api_key: str | None = None) -> None:
-        url = url.rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"SGLang server URL must start with http:// or https://, got {url!r}")
-        self.url = url
-        self.timeout_s = timeout_s
-        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
-
-    def get(self, path: str, timeout_s: float | None = None) -> Any:
-        return self._call("GET", path, None, timeout_s)
-
-    def post(self, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
-        return self._call("POST", path, {} if body is None else body, timeout_s)
-
-    def post_ok(self, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
-        """POST to an endpoint answering {"success", "message"}; SGLangError when not a success."""
-        answer = self.post(path, body, timeout_s)
-        if isinstance(answer, dict) and answer.get("success") is False:
-            raise SGLangError(f"{self.url}{path} failed: {answer.get('message', answer)}")
-        return answer
-
-    def _call(self, method: str, path: str, body: Any, timeout_s: float | None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"{self.url}{path}", data=data, method=method)
-        if data is not None:
-            req.add_header("Content-Type", "application/json")
-        if self.api_key:
-            req.add_header("Authorization", f"Bearer {self.api_key}")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as err:
-            detail = err.read()[:500].decode(errors="replace")
-            raise SGLangError(f"{method} {self.url}{path}: HTTP {err.code}: {detail}") from err
-        except (urllib.error.URLError, OSError) as err:
-            raise SGLangError(f"{method} {self.url}{path}: server unreachable ({err})") from err
-        if not raw.strip():
-            return None
-        try:
-            return json.loads(raw)
-        except ValueError:
-            return raw.decode(errors="replace")
+        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        super().__init__(url, timeout_s, key)
 
 
 def parse_version(value: Any) -> int | None:
@@ -341,19 +295,3 @@ def sampling_body(params: SamplingParams) -> dict[str, Any]:
         "top_p": 1.0 if params.greedy else params.top_p,
         "skip_special_tokens": False,
     }
-
-
-def wait_healthy(client: SGLangClient, timeout_s: float, proc: subprocess.Popen | None = None):
-    """Poll `/health` until the server answers; SGLangError naming the cause otherwise."""
-    deadline = time.monotonic() + timeout_s
-    last = ""
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise SGLangError(f"SGLang server for {client.url} exited with code {proc.returncode}")
-        try:
-            client.get("/health", timeout_s=5.0)
-            return
-        except SGLangError as err:
-            last = str(err)
-        time.sleep(1.0)
-    raise SGLangError(f"SGLang server {client.url} not healthy within {timeout_s:.0f}s: {last}")

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 from relax_core.config import SGLangConfig
 from relax_core.net import free_port
-from relax_core.rollout.sglang_engine import SGLangClient, SGLangError, wait_healthy
+from relax_core.rollout.server_client import ServerClient, ServerError, wait_healthy
+from relax_core.rollout.sglang_engine import SGLangClient
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +89,74 @@ _PR_SET_PDEATHSIG = 1
 
 
 @dataclass
-class SGLangServer:
-    """A server process this process started (and so stops)."""
+class ServerProcess:
+    """A server process this process started (and so stops): SGLang's or vLLM's."""
 
     proc: subprocess.Popen
-    client: SGLangClient
+    client: ServerClient
     log_path: str
+
+    @classmethod
+    def launch(
+        cls,
+        cmd: list[str],
+        client: ServerClient,
+        log_path: str,
+        timeout_s: float,
+        what: str,
+        env: dict[str, str] | None = None,
+    ) -> ServerProcess:
+        """Start `cmd` in its own session, its output to `log_path`, and wait for `/health`."""
+        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+                env=env,
+            )
+        server = cls(proc, client, log_path)
+        log.info("started %s (pid %d) on %s: %s", what, proc.pid, client.url, shlex.join(cmd))
+        try:
+            wait_healthy(client, timeout_s, proc, what)
+        except ServerError as err:
+            server.stop()
+            raise type(err)(f"{err}; the server's log: {log_path}{log_tail(log_path)}") from err
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM to the server's whole process group, SIGKILL after `timeout_s`."""
+        if self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def log_tail(log_path: str, lines: int = 5) -> str:
+    """The last lines of a server's log that say what went wrong, for an error message."""
+    try:
+        with open(log_path, errors="replace") as f:
+            tail = [ln.rstrip() for ln in f.readlines()[-200:] if ln.strip()]
+    except OSError:
+        return ""
+    errors = [ln for ln in tail if "Error" in ln or "error:" in ln]
+    shown = (errors or tail)[-lines:]
+    return ("\n  " + "\n  ".join(shown)) if shown else ""
+
+
+class SGLangServer(ServerProcess):
+    """An SGLang server this process started."""
 
     @classmethod
     def start(
@@ -122,41 +185,8 @@ class SGLangServer:
             routed_experts,
             lora,
         )
-        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-        with open(log_path, "ab") as out:
-            proc = subprocess.Popen(
-                cmd,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-        server = cls(
-            proc, SGLangClient(f"http://{host}:{port}", timeout_s=cfg.start_timeout_s), log_path
-        )
-        log.info("started SGLang (pid %d) on %s: %s", proc.pid, server.client.url, shlex.join(cmd))
-        try:
-            wait_healthy(server.client, cfg.start_timeout_s, proc)
-        except SGLangError as err:
-            server.stop()
-            raise SGLangError(f"{err}; the server's log: {log_path}") from err
-        except BaseException:
-            server.stop()
-            raise
-        return server
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM to the server's whole process group, SIGKILL after `timeout_s`."""
-        if self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        client = SGLangClient(f"http://{host}:{port}", timeout_s=cfg.start_timeout_s)
+        return cls.launch(cmd, client, log_path, cfg.start_timeout_s, "SGLang server")
 
 
 def publish_policy(checkpoint: str, model_dir: str, version: int) -> None:

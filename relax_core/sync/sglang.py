@@ -81,6 +81,8 @@ def wanted_engines(source: Callable[[], Sequence[tuple[str, str]]]) -> list[tupl
 class SGLangSender:
     """Rank 0 of a weight group whose other ranks are SGLang servers' tensor-parallel ranks."""
 
+    what = "SGLang"
+
     def __init__(
         self,
         engines: Engines,
@@ -183,12 +185,11 @@ class SGLangSender:
         ]
         return [self._result(name, f) for name, f in futures]
 
-    @staticmethod
-    def _result(name: str, future) -> Any:
+    def _result(self, name: str, future) -> Any:
         try:
             return future.result()
         except SGLangError as err:
-            raise SGLangError(f"SGLang engine {name}: {err}") from err
+            raise type(err)(f"{self.what} engine {name}: {err}") from err
 
     @contextlib.contextmanager
     def _session(self):
@@ -240,25 +241,11 @@ class SGLangSender:
         self._destroy_previous(wanted)
         offsets = [1 + sum(sizes[:i]) for i in range(len(wanted))]
         pending = [
-            (
-                n,
-                self._executor().submit(
-                    self._client(n, u).post_ok,
-                    "/init_weights_update_group",
-                    {
-                        "master_address": self.host,
-                        "master_port": port,
-                        "rank_offset": offset,
-                        "world_size": world,
-                        "group_name": name,
-                        "backend": self.backend,
-                    },
-                ),
-            )
+            (n, self._executor().submit(self._join_request, n, u, offset, world, port, name))
             for (n, u), offset in zip(wanted, offsets, strict=True)
         ]
         try:
-            group = join_weight_group(self.backend, self.host, port, world, 0, name, self.timeout_s)
+            group = self._join(port, world, name)
         except Exception as err:
             failures = []
             for n, future in pending:
@@ -267,7 +254,7 @@ class SGLangSender:
                     continue
                 failures.append(n)
             raise SGLangError(
-                f"SGLang weight group {name!r} did not form with {[n for n, _ in wanted]} "
+                f"{self.what} weight group {name!r} did not form with {[n for n, _ in wanted]} "
                 f"(world size {world}, rendezvous {self.host}:{port}; engines that failed to "
                 f"join: {failures or 'none reported'}): {err}"
             ) from err
@@ -284,7 +271,25 @@ class SGLangSender:
             "tp_sizes": {n: size for (n, _), size in zip(wanted, sizes, strict=True)},
         }
         """How the group formed (for control/rendezvous/; the servers got it over HTTP)."""
-        log.info("SGLang weight group %s formed: %s (world size %d)", name, wanted, world)
+        log.info("%s weight group %s formed: %s (world size %d)", self.what, name, wanted, world)
+
+    def _join_request(
+        self, name: str, url: str, offset: int, world: int, port: int, group: str
+    ) -> Any:
+        """Ask server `name` to join the group (its ranks from `offset`); returns once formed."""
+        body = {
+            "master_address": self.host,
+            "master_port": port,
+            "rank_offset": offset,
+            "world_size": world,
+            "group_name": group,
+            "backend": self.backend,
+        }
+        return self._client(name, url).post_ok("/init_weights_update_group", body)
+
+    def _join(self, port: int, world: int, group: str) -> Any:
+        """This process's end of the group: rank 0, hosting the rendezvous."""
+        return join_weight_group(self.backend, self.host, port, world, 0, group, self.timeout_s)
 
     def _destroy_previous(self, wanted: list[tuple[str, str]]) -> None:
         """Destroy the dead trainer's group on the servers that held it (best effort: a server

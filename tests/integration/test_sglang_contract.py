@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from relax_core.rollout.engine import SamplingParams
-from relax_core.rollout.sglang_engine import SGLangClient, SGLangEngine, SGLangError, wait_healthy
+from relax_core.rollout.server_client import wait_healthy
+from relax_core.rollout.sglang_engine import SGLangClient, SGLangEngine, SGLangError
 from relax_core.sync.buckets import specs_of
 from relax_core.sync.process_group import leave_weight_group
 from relax_core.sync.sglang import SGLangSender

@@ -23,7 +23,8 @@ import torch
 from relax_core.config import ModelConfig, SGLangConfig
 from relax_core.models.tiny import build_char_tokenizer, build_tiny_qwen3
 from relax_core.rollout.engine import SamplingParams
-from relax_core.rollout.sglang_engine import SGLangClient, SGLangEngine, SGLangError, wait_healthy
+from relax_core.rollout.server_client import wait_healthy
+from relax_core.rollout.sglang_engine import SGLangClient, SGLangEngine, SGLangError
 from relax_core.rollout.sglang_server import SGLangServer
 from relax_core.sync.buckets import specs_of
 from relax_core.sync.sglang import SGLangSender
