@@ -73,3 +73,17 @@ def version_counts(table: pa.Table) -> dict[str, int]:
     for v in oldest.values():
         counts[str(v)] = counts.get(str(v), 0) + 1
     return counts
+
+
+def admitted_counts(record: dict[str, Any] | None) -> dict[str, int]:
+    """Groups of an entry per the policy version the rollout admitted them under (the in-flight
+    accounting's unit: admission tickets carry that version). A block's groups share it; their
+    rows may carry a newer behaviour version (a server that started them only after a weight
+    update, as vLLM does for requests a pause held back). Records without it (older writers,
+    other stages' own entries) count by `versions`, the behaviour versions."""
+    if not record:
+        return {}
+    admitted = (record.get("meta") or {}).get("admitted_version")
+    if admitted is not None and record.get("groups"):
+        return {str(int(admitted)): int(record["groups"])}
+    return dict(record.get("versions") or {})

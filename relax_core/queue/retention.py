@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from relax_core.queue.queue import STAGES, parse_seq, seq_name
+from relax_core.queue.record import admitted_counts
 
 PRUNED = "pruned"
 
@@ -127,6 +128,7 @@ def summarize(
     out: dict[str, Any] = {"stage": stage, "first": first, "last": last, "entries": len(headers)}
     totals = dict.fromkeys(("rows", "groups", "bytes", "tombstones", "unreadable"), 0)
     versions: dict[str, int] = {}
+    admitted: dict[str, int] = {}  # per admission version (record.admitted_counts)
     blocks: dict[str, dict[str, Any]] = {}
     payloads: list[str] = []
     for seq in sorted(headers):
@@ -140,6 +142,8 @@ def summarize(
         counted = record.get("versions") or ((fallback or {}).get(seq) or {}).get("versions")
         for version, n in (counted or {}).items():
             versions[str(version)] = versions.get(str(version), 0) + int(n)
+        for version, n in admitted_counts({**record, "versions": counted}).items():
+            admitted[str(version)] = admitted.get(str(version), 0) + int(n)
         meta = record.get("meta") or {}
         if stage == "rollout" and meta.get("tickets"):
             block = {"worker": meta.get("worker", "")}
@@ -149,7 +153,7 @@ def summarize(
         payload = record.get("payload")
         if isinstance(payload, str) and payload.startswith(f"data/{stage}/"):
             payloads.append(payload)
-    out.update(totals, versions=versions, payloads=payloads)
+    out.update(totals, versions=versions, admitted=admitted, payloads=payloads)
     if blocks:
         out["blocks"] = blocks
     return out

@@ -15,6 +15,7 @@ import pyarrow.compute as pc
 from relax_core.queue import StageCursor, select_step_groups
 from relax_core.queue.admission import VOID
 from relax_core.queue.pruning import summaries
+from relax_core.queue.record import admitted_counts
 from relax_core.queue.retention import covered
 from relax_core.roles.service import RoleContext
 
@@ -40,7 +41,7 @@ class ReadyPool:
         self.meta: list[dict[str, Any]] = []  # metrics of entries read since the last step
         self._tickets: dict[str, dict[str, Any]] = {}
         self._voided: dict[str, dict[str, Any]] = {}
-        self._arrived: Counter[int] = Counter()  # behaviour version -> groups seen in ready
+        self._arrived: Counter[int] = Counter()  # admission version -> groups seen in ready
         self._seen: set[int] = set()
         self._pruned: list[tuple[int, int]] | None = None  # ranges retention deleted
         self.quarantined = 0
@@ -90,7 +91,9 @@ class ReadyPool:
         found = summaries(self.queue.store, "ready")
         self._pruned = [(int(s["first"]), int(s["last"])) for s in found]
         for summary in found:
-            for version, count in (summary.get("versions") or {}).items():
+            for version, count in (
+                summary.get("admitted") or summary.get("versions") or {}
+            ).items():
                 self._arrived[int(version)] += int(count)
 
     def _count_arrived(self, seq: int, record: dict[str, Any] | None) -> None:
@@ -104,13 +107,12 @@ class ReadyPool:
                 record = self.queue.record(stage, seq)
             except Exception:  # an unreadable record: its groups cannot be placed
                 record = None
-        if record is None:
-            return
-        for version, count in (record.get("versions") or {}).items():
+        for version, count in admitted_counts(record).items():
             self._arrived[int(version)] += int(count)
 
     def in_flight_versions(self) -> list[int]:
-        """Behaviour versions that still have admitted groups not in `ready`."""
+        """Admission versions that still have admitted groups not in `ready` (a group's rows may
+        carry a newer behaviour version; selection compares the two conservatively)."""
         store = self.queue.store
         for name in store.list_dir("tickets"):
             if name not in self._tickets and name.isdigit():

@@ -84,3 +84,24 @@ def test_a_resumed_pool_counts_entries_trained_before_the_checkpoint_as_arrived(
         resumed.refresh()
         assert resumed.in_flight_versions() == []
     assert resumed.select(2, False) == ["c", "d"]
+
+
+def test_groups_a_server_generated_after_an_update_arrive_under_their_admission(tmp_path):
+    """A vLLM server holds requests that arrive during a weight update's pause and runs them on
+    the new weights: a block admitted under version 0 arrives stamped 1. It is no longer in
+    flight (else every newer group waits a lease TTL for it), and it trains as version 1."""
+    queue = TransferQueue(str(tmp_path), "run")
+    ledger = AdmissionLedger(queue)
+    ledger.try_admit(2, 0, 1, 2)
+    rows = [
+        {"uid": f"{g}-0", "group_id": g, "behaviour_version_min": 1, "behaviour_version_max": 1}
+        for g in ("a", "b")
+    ]
+    queue.put("ready", rows_to_table(rows), {"admitted_version": 0, "tickets": [0, 2]})
+    ledger.try_admit(2, 1, 1, 2)
+    _put(queue, ["c", "d"], 1)
+    pool = _pool(queue)
+    pool.refresh()
+    assert pool.in_flight_versions() == []
+    assert pool.select(4, False) == ["a", "b", "c", "d"]
+    assert pool.groups["a"][0] == 1  # its behaviour version, the weights that sampled it
