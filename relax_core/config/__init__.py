@@ -28,7 +28,7 @@ from relax_core.config.sections import (
     TrainConfig,
     WarmStartConfig,
 )
-from relax_core.config.services import QueueConfig, ServicesConfig, SGLangConfig
+from relax_core.config.services import QueueConfig, ServicesConfig, SGLangConfig, VLLMConfig
 
 __all__ = [
     "AlgorithmConfig",
@@ -47,6 +47,7 @@ __all__ = [
     "ServicesConfig",
     "TrackingConfig",
     "TrainConfig",
+    "VLLMConfig",
     "WarmStartConfig",
     "config_from_dict",
     "config_to_dict",

