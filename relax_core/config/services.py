@@ -190,6 +190,10 @@ class SGLangConfig:
     trainer pods send it. A secret per run gives each run its own key (docs/cluster.md)."""
 
 
+VLLM_PAUSE_MODES = ("abort", "wait", "keep")
+"""vLLM 0.32's /pause modes (vllm.pause_mode)."""
+
+
 @dataclass(frozen=True)
 class VLLMConfig:
     """rollout.engine 'vllm': the vLLM server (0.32: its OpenAI-compatible API server with the RL

@@ -2,21 +2,22 @@
 append to the `rollout` stage (the step itself is rollout.py, or episodes.py for an agentic run).
 
 Parts: the AdmissionLedger (tickets: ticket i is prompt i of the stream), the engine this worker
-drives (a torch engine in this process, or an SGLang server it started, found in its pod or was
-given by URL; `pool/engine_weights.py` keeps its weights current) and the pool's drain requests.
+drives (a torch engine in this process, or an SGLang or vLLM server it started, found in its pod
+or was given by URL: rollout_servers.py; `pool/engine_weights.py` keeps its weights current) and
+the pool's drain requests.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
 from relax_core.queue.pruning import summaries
 from relax_core.roles.rollout import informative_groups, rollout_groups
+from relax_core.roles.rollout_servers import own_server, served_engine
 from relax_core.rollout.engine import SamplingParams
-from relax_core.storage import join, local_cache, local_dir_for
+from relax_core.storage import local_cache
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +57,10 @@ def serve(ctx) -> None:
     url = (entry or {}).get("url")
     server = None
     if url:
-        engine, weights, tokenizer = _served_engine(ctx, url)
+        engine, weights, tokenizer = served_engine(ctx, url)
     elif r.engine in ("sglang", "vllm"):
-        url, server = _own_server(ctx, read_state(ctx.checkpoint))
-        engine, weights, tokenizer = _served_engine(ctx, url)
+        url, server = own_server(ctx, read_state(ctx.checkpoint))
+        engine, weights, tokenizer = served_engine(ctx, url)
     else:
         engine, weights, tokenizer = _local_engine(ctx, read_state(ctx.checkpoint))
     # Joining waits for the trainer (still importing, opening its MLflow run); generation under
@@ -219,80 +220,6 @@ def _local_engine(ctx, state: dict[str, Any]):
     engine.version = version
     receiver = make_receiver(cfg, ctx.queue, specs, "rollout", ctx.worker)
     return engine, LocalWeights(engine, receiver, ctx.status), tokenizer
-
-
-def _served_engine(ctx, url: str):
-    """An external SGLang server, driven over HTTP; only the tokenizer is loaded here."""
-    from transformers import AutoTokenizer
-
-    from relax_core.pool.engine_weights import ServedWeights
-    from relax_core.pool.engines import sglang_synced
-    from relax_core.rollout.sglang_engine import SGLangClient, SGLangEngine
-
-    tokenizer = AutoTokenizer.from_pretrained(ctx.checkpoint)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    lora = ctx.cfg.train.lora.rank > 0
-    if ctx.cfg.rollout.engine == "vllm":
-        from relax_core.rollout.server_client import ServerClient
-        from relax_core.rollout.vllm_engine import VLLMEngine
-
-        client = ServerClient(url, timeout_s=ctx.cfg.services.start_timeout_s)
-        engine = VLLMEngine(client, ctx.cfg.vllm.pause_mode)
-        weights = ServedWeights(engine, lambda: sglang_synced(ctx.queue, ctx.name), ctx.status)
-        log.info("%s drives the vLLM server at %s", ctx.name, url)
-        return engine, weights, tokenizer
-    engine = SGLangEngine(
-        SGLangClient(url, timeout_s=ctx.cfg.services.start_timeout_s),
-        ctx.cfg.sglang.pause_mode,
-        routed_experts=ctx.cfg.train.routing_replay,
-        lora=lora,
-    )
-    if lora:  # the server has the base; the policy is the checkpoint's adapter until updated
-        from relax_core.rollout.sglang_lora import load_checkpoint_adapter
-        from relax_core.train.checkpoint import read_state
-
-        version = int(read_state(ctx.checkpoint)["policy_version"])
-        load_checkpoint_adapter(engine.client, ctx.checkpoint, version)
-    weights = ServedWeights(engine, lambda: sglang_synced(ctx.queue, ctx.name), ctx.status)
-    log.info("%s drives the SGLang server at %s", ctx.name, url)
-    return engine, weights, tokenizer
-
-
-def _own_server(ctx, state: dict[str, Any]):
-    """rollout.engine 'sglang' (or 'vllm'): this worker's own server (started here, or its pod's
-    sidecar), published under control/sglang_servers/ so the trainer adds it to its SGLang
-    weight group at its next update. Returns (URL, the server to stop or None)."""
-    from relax_core.pool.engines import publish_server
-    from relax_core.rollout.sglang_lora import lora_flags, versions_kept
-    from relax_core.rollout.sglang_server import attach_or_start
-
-    cfg = ctx.cfg
-    ctx.status["state"] = f"starting its {cfg.rollout.engine} server"
-    ctx.beat()
-    run_dir = local_dir_for(join(cfg.checkpoint.dir, ctx.run_id), cfg.storage.scratch_dir)
-    log_path = os.path.join(run_dir, "logs", f"{cfg.rollout.engine}-{ctx.name}.log")
-    if cfg.rollout.engine == "vllm":
-        from relax_core.rollout import vllm_server
-
-        version = int(state["policy_version"])
-        client, server = vllm_server.attach_or_start(
-            cfg.vllm, ctx.worker, ctx.checkpoint, version, log_path
-        )
-        publish_server(ctx.queue, ctx.name, client.url)
-        return client.url, server
-    client, server = attach_or_start(
-        cfg.sglang,
-        ctx.worker,
-        ctx.checkpoint,
-        int(state["policy_version"]),
-        cfg.services.rollout_gpus,
-        log_path,
-        routed_experts=bool(getattr(cfg.train, "routing_replay", False)),
-        lora=lora_flags(cfg.train.lora, versions_kept(cfg)),
-    )
-    publish_server(ctx.queue, ctx.name, client.url)
-    return client.url, server
 
 
 class _Throttled:

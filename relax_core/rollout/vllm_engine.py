@@ -22,13 +22,15 @@ sample: the engine asks for it again, so no prompt is lost and no cut sample is 
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from relax_core.config.services import VLLM_PAUSE_MODES as PAUSE_MODES
 from relax_core.rollout.engine import Completion, SamplingParams
 from relax_core.rollout.server_client import ServerClient, ServerError
 
-PAUSE_MODES = ("abort", "wait", "keep")
+log = logging.getLogger(__name__)
 RL_API_HINT = (
     "start it with VLLM_SERVER_DEV_MODE=1 (the RL API: /pause, /resume, weight transfer) and "
     "--enable-scale-out (/inference/v1/generate)"
@@ -231,3 +233,12 @@ def require_rl_api(client: ServerClient) -> None:
         raise VLLMError(
             f"vLLM server {client.url} refuses /inference/v1/generate ({err}); {RL_API_HINT}"
         ) from err
+
+
+def served_engine(url: str, cfg: Any) -> VLLMEngine:
+    """The engine a rollout worker drives a vLLM server at `url` through."""
+    engine = VLLMEngine(
+        ServerClient(url, timeout_s=cfg.services.start_timeout_s), cfg.vllm.pause_mode
+    )
+    log.info("driving the vLLM server at %s", url)
+    return engine

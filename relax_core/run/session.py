@@ -117,8 +117,8 @@ class RunSession:
     def _engine(self, cfg: RunConfig, model_dir: str, version: int):
         if cfg.rollout.engine == "vllm":  # the server takes the trainer's weights between steps
             from relax_core.pool.weights import checkpoint_specs
-            from relax_core.rollout.vllm_colocate import start_colocated as start_vllm
             from relax_core.sync.buckets import specs_of
+            from relax_core.sync.vllm_colocate import start_colocated as start_vllm
 
             local_run = local_dir_for(self.run_dir, cfg.storage.scratch_dir)
             specs = checkpoint_specs(specs_of(lora.synced_weights(self.model), cfg.model.dtype))

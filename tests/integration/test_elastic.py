@@ -29,7 +29,8 @@ from relax_core.ops.scale_client import ScaleApiError, ScaleClient
 from relax_core.queue import TransferQueue
 from relax_core.queue.audit import audit_run
 from relax_core.queue.coverage import coverage_errors, read_prompt_coverage
-from relax_core.rollout.sglang_engine import SGLangClient, wait_healthy
+from relax_core.rollout.server_client import wait_healthy
+from relax_core.rollout.sglang_engine import SGLangClient
 from relax_core.train import preemption
 from relax_core.train.checkpoint import find_resume_checkpoint, read_state
 from tests.s3servers import free_ports
