@@ -49,12 +49,8 @@ def check_vllm(e: list[str], cfg: Any, modality: str | None) -> None:
             f"rollout.engine: 'vllm' is sent text token ids in this build; a {modality} "
             "policy's media is not; use 'torch'"
         )
-    if cfg.train.lora.rank > 0:
-        e.append(
-            "train.lora: rollout.engine 'vllm' serves full weights in this build (adapters "
-            "through vLLM's LoRA API are not wired yet); use rollout.engine 'sglang' or 'torch' "
-            "for a LoRA policy"
-        )
+    if cfg.train.lora.rank > 0 and not v.lora_dir:
+        e.append("vllm.lora_dir: required for a LoRA policy (adapter versions go through it)")
     if getattr(cfg.train, "routing_replay", False):
         e.append(
             "train.routing_replay: rollout.engine 'vllm' does not return routed experts to "

@@ -220,6 +220,9 @@ class VLLMConfig:
     """CPU servers: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)."""
     gpu_memory_utilization: float = 0.8
     """GPU servers: share of GPU memory vLLM takes for weights and KV cache."""
+    lora_dir: str = "/dev/shm/relax-lora"
+    """A LoRA policy: where the trainer writes each adapter version (PEFT's files) for the
+    servers to load by path (node-local memory; one folder per run under it)."""
     extra_args: str = ""
     """More server arguments, as on a command line (e.g. '--tensor-parallel-size 2')."""
     start_timeout_s: float = 600.0

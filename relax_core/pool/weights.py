@@ -72,6 +72,19 @@ def make_sender(cfg: RunConfig, queue: TransferQueue, specs: list[Any]):
     def servers() -> list[tuple[str, str]]:  # read again at every update: the pool changes
         return external_engines(cfg, queue)
 
+    if cfg.rollout.engine == "vllm" and cfg.train.lora.rank > 0:  # adapters by name
+        from relax_core.rollout.sglang_lora import versions_kept
+        from relax_core.sync.vllm import VLLMLoRASender, lora_dir
+
+        vllm = VLLMLoRASender(
+            servers,
+            specs,
+            cfg.train.lora.alpha,
+            versions_kept(cfg),
+            timeout_s=s.start_timeout_s,
+            lora_dir=lora_dir(cfg, queue.run_id),
+        )
+        return TrainerSync(broadcast, vllm, queue)
     if cfg.rollout.engine == "vllm":  # vLLM's weight-transfer API (sync/vllm.py)
         from relax_core.sync.vllm import VLLMSender
 

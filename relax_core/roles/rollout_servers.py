@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 
 
 def served_engine(ctx, url: str):
-    """An external SGLang server, driven over HTTP; only the tokenizer is loaded here."""
+    """An SGLang or vLLM server, driven over HTTP; only the tokenizer is loaded here."""
     from transformers import AutoTokenizer
 
     from relax_core.pool.engine_weights import ServedWeights
@@ -25,26 +25,28 @@ def served_engine(ctx, url: str):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     lora = ctx.cfg.train.lora.rank > 0
-    if ctx.cfg.rollout.engine == "vllm":
+    vllm = ctx.cfg.rollout.engine == "vllm"
+    if vllm:
         from relax_core.rollout.vllm_engine import served_engine
+        from relax_core.rollout.vllm_lora import load_checkpoint_adapter
 
         engine = served_engine(url, ctx.cfg)
-        weights = ServedWeights(engine, lambda: sglang_synced(ctx.queue, ctx.name), ctx.status)
-        return engine, weights, tokenizer
-    engine = SGLangEngine(
-        SGLangClient(url, timeout_s=ctx.cfg.services.start_timeout_s),
-        ctx.cfg.sglang.pause_mode,
-        routed_experts=ctx.cfg.train.routing_replay,
-        lora=lora,
-    )
-    if lora:  # the server has the base; the policy is the checkpoint's adapter until updated
+    else:
         from relax_core.rollout.sglang_lora import load_checkpoint_adapter
+
+        engine = SGLangEngine(
+            SGLangClient(url, timeout_s=ctx.cfg.services.start_timeout_s),
+            ctx.cfg.sglang.pause_mode,
+            routed_experts=ctx.cfg.train.routing_replay,
+            lora=lora,
+        )
+    if lora:  # the server has the base; the policy is the checkpoint's adapter until updated
         from relax_core.train.checkpoint import read_state
 
         version = int(read_state(ctx.checkpoint)["policy_version"])
         load_checkpoint_adapter(engine.client, ctx.checkpoint, version)
     weights = ServedWeights(engine, lambda: sglang_synced(ctx.queue, ctx.name), ctx.status)
-    log.info("%s drives the SGLang server at %s", ctx.name, url)
+    log.info("%s drives the %s server at %s", ctx.name, "vLLM" if vllm else "SGLang", url)
     return engine, weights, tokenizer
 
 
@@ -64,8 +66,11 @@ def own_server(ctx, state: dict[str, Any]):
     version = int(state["policy_version"])
     if cfg.rollout.engine == "vllm":
         from relax_core.rollout.vllm_server import attach_or_start as vllm_server
+        from relax_core.rollout.vllm_server import lora_setup
 
-        client, server = vllm_server(cfg.vllm, ctx.worker, ctx.checkpoint, version, log_path)
+        client, server = vllm_server(
+            cfg.vllm, ctx.worker, ctx.checkpoint, version, log_path, lora_setup(cfg)
+        )
     else:
         replay = bool(getattr(cfg.train, "routing_replay", False))
         lora = lora_flags(cfg.train.lora, versions_kept(cfg))

@@ -29,6 +29,7 @@ from typing import Any
 from relax_core.config.services import VLLM_PAUSE_MODES as PAUSE_MODES
 from relax_core.rollout.engine import Completion, SamplingParams
 from relax_core.rollout.server_client import ServerClient, ServerError
+from relax_core.rollout.sglang_engine import served_adapters
 
 log = logging.getLogger(__name__)
 RL_API_HINT = (
@@ -55,13 +56,23 @@ def parse_version(value: Any) -> int | None:
 class VLLMEngine:
     """A `RolloutEngine` backed by one vLLM server (any tensor-parallel size)."""
 
-    def __init__(self, client: ServerClient, pause_mode: str = "wait", concurrency: int = 64):
+    def __init__(
+        self,
+        client: ServerClient,
+        pause_mode: str = "wait",
+        concurrency: int = 64,
+        lora: bool = False,
+    ) -> None:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"vllm.pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         self.client = client
         self.pause_mode = pause_mode
         self.version = -1
         """The newest policy version the server reported (-1: still its launch weights)."""
+        self.lora = lora
+        """The policy is a LoRA adapter on the server's base: requests name the newest,
+        `policy-v{N}` (vllm_lora.py), and that is the version of all they generate."""
+        self.adapter: str | None = None
         self._context: int | None = None
         self.aborted_retries = 0
         """Samples asked for again after an abort, over this engine's life."""
@@ -80,8 +91,9 @@ class VLLMEngine:
         out: list[Completion | None] = [None] * len(prompts)
         todo = list(range(len(prompts)))
         for _ in range(MAX_ABORT_RETRIES + 1):
+            adapter = self._adapter_to_serve() if self.lora else None
             first = self.version
-            futures = [(i, self._pool.submit(self._one, prompts[i], params)) for i in todo]
+            futures = [(i, self._pool.submit(self._one, prompts[i], params, adapter)) for i in todo]
             aborted = []
             for i, future in futures:
                 completion = self._completion(future.result(), first, i)
@@ -121,13 +133,23 @@ class VLLMEngine:
                 "without saying so; shorten the prompts or raise vllm.max_model_len"
             )
 
-    def _one(self, prompt: list[int], params: SamplingParams) -> Any:
-        body = {"token_ids": prompt, "sampling_params": sampling_body(params)}
-        try:
-            return self.client.post("/inference/v1/generate", body)
-        except ServerError as err:
-            text = str(err)
-            raise VLLMError(f"vLLM generation failed: {text}") from err
+    def _one(self, prompt: list[int], params: SamplingParams, adapter: str | None) -> Any:
+        body: dict[str, Any] = {"token_ids": prompt, "sampling_params": sampling_body(params)}
+        if adapter is not None:
+            body["model"] = adapter
+        for _ in range(MAX_ABORT_RETRIES + 1):
+            try:
+                return self.client.post("/inference/v1/generate", body)
+            except ServerError as err:
+                if adapter is None or "HTTP 404" not in str(err):
+                    raise VLLMError(f"vLLM generation failed: {err}") from err
+                # The trainer unloaded this adapter after we chose it (it moved on): vLLM
+                # refuses a request naming it before generating anything; ask the newest.
+                self.refresh_version()
+                if self.adapter == adapter:
+                    raise VLLMError(f"vLLM generation failed: {err}") from err
+                adapter = body["model"] = self.adapter
+        raise VLLMError(f"{self.client.url}: the adapter moved on {MAX_ABORT_RETRIES} times")
 
     def _completion(self, answer: Any, first: int, i: int) -> Completion:
         where = f"{self.client.url}/inference/v1/generate (prompt {i})"
@@ -151,6 +173,9 @@ class VLLMEngine:
             parse_version(s.get("version")) for s in spans if s.get("end", 0) > s.get("start", 0)
         ]
         versions = [v for v in versions if v is not None]
+        if self.lora:  # the spans label the base; the adapter named is the version
+            versions = [parse_version(str(answer.get("model", "")).removeprefix("policy-v"))]
+            versions = [v for v in versions if v is not None]
         start = versions[0] if versions else first
         last = versions[-1] if versions else start
         self.version = max(self.version, last)
@@ -163,12 +188,28 @@ class VLLMEngine:
         )
 
     def refresh_version(self) -> int:
-        """Ask the server which weights it serves; updates and returns `version`."""
+        """Ask the server which weights it serves (LoRA: its newest policy adapter); updates
+        and returns `version`."""
+        if self.lora:
+            held = served_adapters(self.client)
+            if held:
+                self.version, self.adapter = max(held), held[max(held)]
+            return self.version
         info = self.client.get("/weight_info")
         served = parse_version(info.get("weight_version") if isinstance(info, dict) else None)
         if served is not None:
             self.version = served
         return self.version
+
+    def _adapter_to_serve(self) -> str:
+        if self.adapter is None:
+            self.refresh_version()
+        if self.adapter is None:
+            raise VLLMError(
+                f"{self.client.url} holds no adapter of the LoRA policy (policy-vN in "
+                "GET /v1/models): its base alone is not the policy"
+            )
+        return self.adapter
 
     def update_weights(self, named_tensors: Any, version: int) -> None:
         raise NotImplementedError(
@@ -237,8 +278,7 @@ def require_rl_api(client: ServerClient) -> None:
 
 def served_engine(url: str, cfg: Any) -> VLLMEngine:
     """The engine a rollout worker drives a vLLM server at `url` through."""
-    engine = VLLMEngine(
-        ServerClient(url, timeout_s=cfg.services.start_timeout_s), cfg.vllm.pause_mode
-    )
+    client = ServerClient(url, timeout_s=cfg.services.start_timeout_s)
+    engine = VLLMEngine(client, cfg.vllm.pause_mode, lora=cfg.train.lora.rank > 0)
     log.info("driving the vLLM server at %s", url)
     return engine

@@ -19,6 +19,7 @@ import logging
 import os
 import shlex
 import sys
+from collections.abc import Sequence
 
 import torch
 
@@ -40,7 +41,7 @@ def transfer_backend() -> str:
 
 
 def server_command(
-    python: str, model_path: str, port: int, cfg: VLLMConfig, host: str
+    python: str, model_path: str, port: int, cfg: VLLMConfig, host: str, lora: Sequence[str] = ()
 ) -> list[str]:
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path]
     cmd += ["--host", host, "--port", str(port), "--served-model-name", SERVED_NAME]
@@ -50,11 +51,21 @@ def server_command(
         cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
     else:  # eager: torch.compile's warm-up takes longer than these models run
         cmd += ["--dtype", "float32", "--enforce-eager"]
-    return cmd + shlex.split(cfg.extra_args)
+    return cmd + list(lora) + shlex.split(cfg.extra_args)
 
 
-def server_env(cfg: VLLMConfig) -> dict[str, str]:
+def lora_setup(cfg) -> list[str]:
+    """A LoRA policy's launch flags (vllm_lora.lora_flags); empty for full weights."""
+    from relax_core.rollout.sglang_lora import versions_kept
+    from relax_core.rollout.vllm_lora import lora_flags
+
+    return lora_flags(cfg.train.lora, versions_kept(cfg))
+
+
+def server_env(cfg: VLLMConfig, lora: Sequence[str] = ()) -> dict[str, str]:
     env = dict(os.environ)
+    if lora:  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(cfg.kv_cache_gib)))
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -62,7 +73,9 @@ def server_env(cfg: VLLMConfig) -> dict[str, str]:
     return env
 
 
-def start_server(model_path: str, cfg: VLLMConfig, version: int, log_path: str) -> ServerProcess:
+def start_server(
+    model_path: str, cfg: VLLMConfig, version: int, log_path: str, lora: Sequence[str] = ()
+) -> ServerProcess:
     """A vLLM server on `model_path` serving weight version `version`, ready for generation and
     weight updates; VLLMError naming the cause (and the server's log) otherwise."""
     python = cfg.python or os.environ.get("RELAX_VLLM_PYTHON") or sys.executable
@@ -73,11 +86,11 @@ def start_server(model_path: str, cfg: VLLMConfig, version: int, log_path: str) 
         )
     host = "127.0.0.1"
     port = free_port(host)
-    cmd = server_command(python, model_path, port, cfg, host)
+    cmd = server_command(python, model_path, port, cfg, host, lora)
     client = ServerClient(f"http://{host}:{port}", timeout_s=cfg.start_timeout_s)
     try:
         server = ServerProcess.launch(
-            cmd, client, log_path, cfg.start_timeout_s, "vLLM server", env=server_env(cfg)
+            cmd, client, log_path, cfg.start_timeout_s, "vLLM server", env=server_env(cfg, lora)
         )
     except ServerError as err:
         if isinstance(err, VLLMError):
@@ -103,13 +116,18 @@ def server_url(cfg: VLLMConfig, worker: int) -> str:
 
 
 def attach_or_start(
-    cfg: VLLMConfig, worker: int, checkpoint: str, version: int, log_path: str
+    cfg: VLLMConfig,
+    worker: int,
+    checkpoint: str,
+    version: int,
+    log_path: str,
+    lora: Sequence[str] = (),
 ) -> tuple[ServerClient, ServerProcess | None]:
     """A healthy server for rollout worker `worker`: the configured one or one started here
     (returned, for the caller to stop)."""
     url = server_url(cfg, worker)
     if not url:
-        server = start_server(checkpoint, cfg, version, log_path)
+        server = start_server(checkpoint, cfg, version, log_path, lora)
         return server.client, server
     client = ServerClient(url, timeout_s=cfg.start_timeout_s)
     try:

