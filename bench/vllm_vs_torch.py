@@ -25,7 +25,9 @@ import statistics
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if sys.path and os.path.abspath(sys.path[0]) == os.path.join(_REPO, "bench"):
+    sys.path[0] = _REPO  # bench/queue.py would shadow the standard library's queue
 
 from bench.common import (  # noqa: E402
     REPO,

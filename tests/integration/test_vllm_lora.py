@@ -42,3 +42,17 @@ def test_an_async_lora_run_on_vllm_samples_with_the_adapter_of_each_version(smal
     )
     _run(cfg)
     _sampled_with_the_versions_they_record("vl", on_policy=False)
+
+
+def test_a_cpu_server_does_not_inherit_the_workers_thread_budget(monkeypatch):
+    """vLLM binds its own OpenMP threads; an inherited OMP_NUM_THREADS above its cores made
+    generation ten times slower (vllm_server.THREAD_VARS)."""
+    from relax_core.config import VLLMConfig
+    from relax_core.rollout.vllm_server import server_env
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("MKL_NUM_THREADS", "2")
+    env = server_env(VLLMConfig(kv_cache_gib=3), lora=["--enable-lora"])
+    assert "OMP_NUM_THREADS" not in env and "MKL_NUM_THREADS" not in env
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
