@@ -19,6 +19,7 @@ import logging
 import os
 import shlex
 import sys
+import tempfile
 from collections.abc import Sequence
 
 import torch
@@ -70,8 +71,17 @@ other. Measured on 2 cores with SmolLM2-135M: OMP_NUM_THREADS=2 took 16 requests
 tokens/s."""
 
 
+IPC_DIR_MAX = 64
+"""vLLM's processes talk over ZMQ sockets at `$TMPDIR/<uuid4>`, and a Unix socket path holds at
+most 107 bytes: a longer TMPDIR (a deep run or test directory) fails the server at start."""
+
+
 def server_env(cfg: VLLMConfig, lora: Sequence[str] = ()) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in THREAD_VARS}
+    if len(env.get("TMPDIR") or tempfile.gettempdir()) > IPC_DIR_MAX:  # what the server sees
+        short = f"/tmp/relax-vllm-{os.getuid()}"  # one per user; vLLM names its sockets by uuid
+        os.makedirs(short, mode=0o700, exist_ok=True)
+        env["TMPDIR"] = short
     if lora:  # /v1/load_lora_adapter and /v1/unload_lora_adapter
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env["VLLM_SERVER_DEV_MODE"] = "1"

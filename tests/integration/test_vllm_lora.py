@@ -5,6 +5,8 @@ its version's checkpoint, and not of the version before."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from relax_core.rollout.vllm_lora import lora_flags
@@ -56,3 +58,18 @@ def test_a_cpu_server_does_not_inherit_the_workers_thread_budget(monkeypatch):
     assert "OMP_NUM_THREADS" not in env and "MKL_NUM_THREADS" not in env
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+
+
+def test_a_server_gets_a_temp_dir_its_sockets_fit_in(monkeypatch, tmp_path):
+    """vLLM's IPC sockets live under TMPDIR and a socket path holds 107 bytes: a deep TMPDIR
+    (a test's, a run's) made the server fail at start."""
+    from relax_core.config import VLLMConfig
+    from relax_core.rollout.vllm_server import server_env
+
+    deep = tmp_path / ("d" * 60) / ("e" * 40)
+    deep.mkdir(parents=True)
+    monkeypatch.setenv("TMPDIR", str(deep))
+    got = server_env(VLLMConfig())["TMPDIR"]
+    assert len(got) + 37 < 107 and os.path.isdir(got)
+    monkeypatch.setenv("TMPDIR", "/tmp")
+    assert server_env(VLLMConfig()).get("TMPDIR") == "/tmp"
