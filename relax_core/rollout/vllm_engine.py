@@ -29,7 +29,7 @@ from typing import Any
 from relax_core.config.services import VLLM_PAUSE_MODES as PAUSE_MODES
 from relax_core.rollout.engine import Completion, SamplingParams
 from relax_core.rollout.server_client import ServerClient, ServerError
-from relax_core.rollout.sglang_engine import served_adapters
+from relax_core.rollout.sglang_engine import adapter_version, parse_version, served_adapters
 
 log = logging.getLogger(__name__)
 RL_API_HINT = (
@@ -43,14 +43,6 @@ comes from a weight update or a draining server, each of which ends)."""
 
 class VLLMError(ServerError):
     """A vLLM server refused a request, answered something unreadable, or is unreachable."""
-
-
-def parse_version(value: Any) -> int | None:
-    """Our policy versions are integers; a server still on its launch weights says 'default'."""
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
 
 
 class VLLMEngine:
@@ -174,7 +166,7 @@ class VLLMEngine:
         ]
         versions = [v for v in versions if v is not None]
         if self.lora:  # the spans label the base; the adapter named is the version
-            versions = [parse_version(str(answer.get("model", "")).removeprefix("policy-v"))]
+            versions = [adapter_version(str(answer.get("model", "")))]
             versions = [v for v in versions if v is not None]
         start = versions[0] if versions else first
         last = versions[-1] if versions else start

@@ -82,6 +82,7 @@ class SGLangSender:
     """Rank 0 of a weight group whose other ranks are SGLang servers' tensor-parallel ranks."""
 
     what = "SGLang"
+    client_class: type = SGLangClient
 
     def __init__(
         self,
@@ -149,6 +150,11 @@ class SGLangSender:
             self._form(wanted)
         if not self.members:
             return reformed
+        self._update(stream, version)
+        return reformed
+
+    def _update(self, stream, version: int) -> None:
+        """Send the buckets of `stream` to the members as `version` (the group is formed)."""
         self._each("/pause_generation", {"mode": self.pause_mode})
         try:
             with self._session(), torch.no_grad(), contextlib.closing(stream):
@@ -157,7 +163,6 @@ class SGLangSender:
                     self._send_bucket(bucket, tensors, version if last else None)
         finally:
             self._each("/continue_generation", {})
-        return reformed
 
     def destroy(self) -> None:
         self._leave()
@@ -169,7 +174,7 @@ class SGLangSender:
     def _client(self, name: str, url: str) -> SGLangClient:
         client = self.clients.get(name)
         if client is None or client.url != url.rstrip("/"):
-            client = self.clients[name] = SGLangClient(url, timeout_s=self.timeout_s)
+            client = self.clients[name] = self.client_class(url, timeout_s=self.timeout_s)
         return client
 
     def _executor(self) -> ThreadPoolExecutor:

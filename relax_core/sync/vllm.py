@@ -44,6 +44,7 @@ class VLLMSender(SGLangSender):
     """Rank 0 of a gloo group whose other ranks are vLLM servers' workers."""
 
     what = "vLLM"
+    client_class = ServerClient
 
     def __init__(self, engines: Any, specs: list[Any], **options: Any) -> None:
         pause_mode = options.pop("pause_mode", "wait")
@@ -52,18 +53,7 @@ class VLLMSender(SGLangSender):
         options["backend"] = "gloo"  # relax_gloo: the broadcast goes through host memory
         super().__init__(engines, specs, pause_mode=pause_mode, **options)
 
-    def push(self, named_tensors: Any, version: int) -> bool:
-        from relax_core.sync.buckets import stream_buckets
-
-        stream = stream_buckets(self.specs, self.buckets, named_tensors)
-        wanted = self.wanted()
-        if not wanted and not self.members:
-            return False
-        reformed = wanted != self.members or self.group is None
-        if reformed:
-            self._form(wanted)
-        if not self.members:
-            return reformed
+    def _update(self, stream: Any, version: int) -> None:
         self._each(f"/pause?mode={self.pause_mode}&clear_cache=true", {})
         try:
             self._each("/start_weight_update", {})
@@ -76,13 +66,6 @@ class VLLMSender(SGLangSender):
                     raise VLLMError("a vLLM server refused to reset its prefix cache")
         finally:
             self._each("/resume", {})
-        return reformed
-
-    def _client(self, name: str, url: str) -> ServerClient:
-        client = self.clients.get(name)
-        if client is None or client.url != url.rstrip("/"):
-            client = self.clients[name] = ServerClient(url, timeout_s=self.timeout_s)
-        return client
 
     def _ranks(self, name: str, url: str) -> int:
         ranks, replicas = VLLMEngine(self._client(name, url), concurrency=1).parallel_shape()

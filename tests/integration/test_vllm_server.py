@@ -139,7 +139,8 @@ def running_requests(url: str) -> float:
 
 
 def update_in_flight(served, mode: str, sender_class=VLLMSender):
-    """Generate 32 long samples and push a new version while they run; returns (completions,
+    """Generate 32 long samples (up to 240 tokens of the 256 the server allots) and push a new
+    version while they run; returns (completions,
     the old and new weights, the new version, the engine)."""
     engine = VLLMEngine(served["client"], pause_mode=mode)
     engine.refresh_version()
@@ -147,7 +148,7 @@ def update_in_flight(served, mode: str, sender_class=VLLMSender):
     prompts = [[1, 4 + k % 40, 5 + k % 30, 6] for k in range(32)]
     box: dict = {}
     gen = threading.Thread(
-        target=lambda: box.update(out=engine.generate(prompts, SamplingParams(max_new_tokens=200)))
+        target=lambda: box.update(out=engine.generate(prompts, SamplingParams(max_new_tokens=240)))
     )
     gen.start()
     deadline = time.monotonic() + 60
