@@ -1,4 +1,4 @@
-"""Run configuration: the frozen dataclasses of every setting (sections.py, services.py), strict
+"""Run configuration: the frozen dataclasses of every setting (sections.py, services.py, training.py), strict
 YAML/JSON loading (load.py) and the value checks every config passes before it runs (checks.py,
 checks_gpu.py).
 
@@ -19,16 +19,14 @@ from relax_core.config.sections import (
     CheckpointConfig,
     DataConfig,
     EnvConfig,
-    LoraConfig,
     ModelConfig,
-    ParallelConfig,
     RewardConfig,
     RolloutConfig,
     TrackingConfig,
-    TrainConfig,
     WarmStartConfig,
 )
 from relax_core.config.services import QueueConfig, ServicesConfig, SGLangConfig, VLLMConfig
+from relax_core.config.training import LoraConfig, ParallelConfig, TrainConfig
 
 __all__ = [
     "AlgorithmConfig",

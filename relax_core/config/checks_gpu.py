@@ -45,7 +45,27 @@ def check_gpu_stacks(e: list[str], cfg: RunSections) -> None:
         )
     if cfg.rollout.engine == "sglang":
         _check_sglang(e, cfg)
+    _check_checkpointing(e, cfg)
     _check_backend(e, cfg)
+
+
+CHECKPOINTING = ("auto", "on", "off")
+"""train.activation_checkpointing: 'auto' asks the memory plan (relax_core/plan)."""
+
+
+def _check_checkpointing(e: list[str], cfg: RunSections) -> None:
+    t = cfg.train
+    if t.activation_checkpointing not in CHECKPOINTING:
+        e.append(
+            f"train.activation_checkpointing: {t.activation_checkpointing!r} is not one of "
+            f"{', '.join(CHECKPOINTING)}"
+        )
+    elif t.activation_checkpointing == "on" and t.backend == "megatron" and t.routing_replay:
+        e.append(
+            "train.activation_checkpointing: 'on' with train.backend 'megatron' and "
+            "train.routing_replay: Megatron's recompute would route the replayed tokens twice; "
+            "use 'auto' or 'off', or lower train.micro_batch_tokens"
+        )
 
 
 def data_parallel(extra_args: str) -> int:

@@ -1,5 +1,5 @@
 """`relax`: the command line for people operating runs (`relax queue`, `relax compare`,
-`relax scale`, `relax send-metrics`)."""
+`relax scale`, `relax send-metrics`, `relax plan`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from relax_core.entrypoints import plan as plan_cli
 from relax_core.entrypoints import queue as queue_cli
 from relax_core.entrypoints import scale as scale_cli
 from relax_core.entrypoints import send_metrics as send_metrics_cli
@@ -61,6 +62,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "compare": run_compare,
     "scale": scale_cli.run,
     "send-metrics": send_metrics_cli.run,
+    "plan": plan_cli.run,
 }
 
 
@@ -78,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     send_metrics_cli.add_arguments(
         commands.add_parser("send-metrics", help="send metrics kept while MLflow was down")
+    )
+    plan_cli.add_arguments(
+        commands.add_parser("plan", help="placement and per-GPU memory of a config, by part")
     )
     args = parser.parse_args(argv)
     return _COMMANDS[args.command](args)

@@ -3,5 +3,5 @@ watches heartbeats and restarts what fails; elastic.py grows and shrinks the rol
 behind an HTTP API (scale_api.py, scale_requests.py) that `relax scale` talks to (scale_client.py);
 notify.py tells people about restarts and the end of a run.
 
-May import: config, pool, queue, roles, rollout, storage, sync, train.
+May import: config, plan, pool, queue, roles, rollout, storage, sync, train.
 """

@@ -4,5 +4,5 @@ checkpoints written whole (checkpoint.py) with the run's resumable state (run_st
 loop both modes share (loop.py: log, evaluate, checkpoint), trainer ranks over several GPUs
 (ranks.py) and the supervised warm start (warm_start.py).
 
-May import: algorithms, config, data, models, multimodal, queue, rollout, storage, sync, tracking.
+May import: algorithms, config, data, models, multimodal, plan, queue, rollout, storage, sync, tracking.
 """

@@ -1,0 +1,271 @@
+"""One run's memory plan: its processes on their GPUs (as ops/placement.py places them), each
+GPU's parts summed, and a refusal that names the parts and the settings to change.
+
+Processes: async runs have the trainer (every GPU of it alike), rollout workers (an SGLang or
+vLLM server over `services.rollout_gpus`, tensor parallel; a torch engine on the first), and the
+reference and actor_fwd roles on one GPU each. A colocate run is one process whose first GPU
+holds the trainer and the engine together: the trainer keeps its memory (state and the
+allocator's cached blocks) while the engine generates, so both count at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from relax_core.config import RunConfig
+from relax_core.config.checks_gpu import data_parallel
+from relax_core.plan import engines as e
+from relax_core.plan import parts as p
+from relax_core.plan.devices import CARDS, GIB, Gpu, gpu_named
+from relax_core.plan.shapes import KNOWN, Shape, model_shape
+
+PROMPT_TOKENS = 256
+"""Prompt length a text run is planned with (the shipped GSM-style chat prompts are shorter)."""
+MEDIA_PROMPT_TOKENS = 1024
+"""Prompt length of a multimodal run (images and video frames take hundreds of tokens)."""
+
+
+class MemoryPlanError(ValueError):
+    """The run does not fit its GPUs' memory; the message is the plan and its problems."""
+
+
+@dataclass(frozen=True)
+class GpuGroup:
+    process: str
+    """Who holds these GPUs (`trainer-0`, `rollout-0..6`, `colocate`)."""
+    gpus: str
+    """Which of the process's GPUs the line describes ("each of 8", "GPU 0")."""
+    parts: tuple[p.Part, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(part.bytes for part in self.parts)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    gpu: Gpu | None
+    """The card planned for; None for a CPU run (not planned)."""
+    model: str
+    """The policy, as the plan names it."""
+    groups: tuple[GpuGroup, ...] = ()
+    problems: tuple[str, ...] = ()
+    checkpointing: bool = False
+    """The trainer's activation checkpointing (train.activation_checkpointing resolved)."""
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+@dataclass(frozen=True)
+class Lengths:
+    seq: int
+    """Tokens of one sequence: prompt + response."""
+    response: int
+    tokens: int
+    """Tokens of one training micro-batch (micro_batch_tokens, or one whole sequence)."""
+
+    @property
+    def response_tokens(self) -> int:
+        return self.tokens * self.response // self.seq
+
+
+def plan_gpu(cfg: RunConfig, gpu: str | None = None) -> Gpu | None:
+    """The card to plan for: `gpu` when given, else the config's accelerator; None = CPU."""
+    if gpu:
+        return gpu_named(gpu)
+    return CARDS.get(cfg.services.accelerator) if cfg.services.accelerator else None
+
+
+def lengths(cfg: RunConfig) -> Lengths:
+    media = cfg.model.kind not in ("tiny-qwen3", "pretrained")
+    response = cfg.env.max_episode_tokens if cfg.env.episodic else cfg.rollout.max_new_tokens
+    seq = (MEDIA_PROMPT_TOKENS if media else PROMPT_TOKENS) + response
+    return Lengths(seq, response, max(cfg.train.micro_batch_tokens, seq))
+
+
+def memory_plan(cfg: RunConfig, gpu: Gpu | None) -> MemoryPlan:
+    """The run's memory on `gpu` cards (None: a CPU run, not planned)."""
+    if gpu is None:
+        return MemoryPlan(None, _model_name(cfg))
+    shape = model_shape(cfg.model)
+    if shape is None:
+        known = ", ".join(KNOWN)
+        problem = (
+            f"model.source: the shape of {cfg.model.source!r} is unknown here (not a local "
+            f"directory with config.json, not in relax_core/plan/shapes.py KNOWN: {known})"
+        )
+        return MemoryPlan(gpu, _model_name(cfg), problems=(problem,))
+    n = lengths(cfg)
+    ckpt = _checkpointing(cfg, shape, gpu, n)
+    groups = _groups(cfg, shape, gpu, n, ckpt)
+    problems = [_problem(cfg, g, gpu, shape, n) for g in groups if g.total > gpu.memory]
+    problems += e.engine_problems(cfg, shape, gpu, n.seq)
+    return MemoryPlan(gpu, _model_name(cfg, shape), tuple(groups), tuple(problems), ckpt)
+
+
+def trainer_checkpointing(cfg: RunConfig, gpu: Gpu | None) -> bool:
+    """train.activation_checkpointing resolved for a trainer on `gpu` (None: a CPU, where auto
+    is off): auto is on where the micro-batch's activations would not fit without it."""
+    setting = cfg.train.activation_checkpointing
+    if setting != "auto":
+        return setting == "on"
+    shape = model_shape(cfg.model)
+    if gpu is None or shape is None:
+        return False
+    return _checkpointing(cfg, shape, gpu, lengths(cfg))
+
+
+def _model_name(cfg: RunConfig, shape: Shape | None = None) -> str:
+    name = cfg.model.source or cfg.model.kind
+    if shape is None:
+        return name
+    return (
+        f"{name}: {shape.params / 1e9:.2f} B parameters, {shape.layers} layers, vocab {shape.vocab}"
+    )
+
+
+def _checkpointing(cfg: RunConfig, shape: Shape, gpu: Gpu, n: Lengths) -> bool:
+    setting = cfg.train.activation_checkpointing
+    if setting != "auto":
+        return setting == "on"
+    if cfg.train.backend == "megatron" and cfg.train.routing_replay:
+        return False  # Megatron's recompute would route the replayed tokens twice (replay.py)
+    return _trainer_group(cfg, shape, n, False).total > gpu.memory
+
+
+def layout(cfg: RunConfig) -> p.TrainerLayout:
+    t = cfg.train
+    return p.TrainerLayout(
+        backend=t.backend,
+        gpus=cfg.services.trainer_gpus,
+        tensor=t.parallel.tensor,
+        expert=t.parallel.expert,
+        distributed_optimizer=t.parallel.distributed_optimizer,
+        lora=t.lora.rank > 0,
+        compute_bf16=cfg.model.dtype in ("bfloat16", "float16") or bool(cfg.model.matmul_dtype),
+    )
+
+
+def trainer_parts(cfg: RunConfig, shape: Shape, n: Lengths, ckpt: bool) -> list[p.Part]:
+    """One trainer GPU's parts, CUDA context left out."""
+    lay = layout(cfg)
+    state = p.trainer_state(shape, lay)
+    if cfg.model.dtype == "float32" and not cfg.model.matmul_dtype and lay.backend != "megatron":
+        state = [part for part in state if not part.name.startswith("policy weights (bf16")]
+    on = "on" if ckpt else "off"
+    acts = p.activations(shape, lay, n.tokens, n.seq, ckpt)
+    head = "all positions" if lay.backend == "megatron" else "response tokens"
+    out = state + [
+        p.Part(
+            f"activations ({n.tokens:,} tokens, checkpointing {on})",
+            acts,
+            "train.micro_batch_tokens, train.activation_checkpointing",
+        ),
+        p.Part(
+            f"logits ({head}, vocab {shape.vocab:,})",
+            p.logits(shape, lay, n.tokens, n.response_tokens),
+            "train.micro_batch_tokens",
+        ),
+    ]
+    if cfg.mode == "async" and cfg.services.weight_sync == "broadcast":
+        out.append(
+            p.Part(
+                "weight-sync buckets (2 in flight)",
+                2 * cfg.services.bucket_mb << 20,
+                "services.bucket_mb",
+            )
+        )
+    return out
+
+
+def _trainer_group(cfg: RunConfig, shape: Shape, n: Lengths, ckpt: bool) -> GpuGroup:
+    gpus = cfg.services.trainer_gpus
+    where = f"each of {gpus} GPUs" if gpus > 1 else "1 GPU"
+    parts = trainer_parts(cfg, shape, n, ckpt) + [p.Part("CUDA context", p.CUDA_CONTEXT)]
+    return GpuGroup("trainer-0", where, tuple(parts))
+
+
+def _groups(cfg: RunConfig, shape: Shape, gpu: Gpu, n: Lengths, ckpt: bool) -> list[GpuGroup]:
+    """Each process's GPUs, in placement order, GPUs that hold the same grouped in one line."""
+    if cfg.mode == "colocate":
+        return _colocate_groups(cfg, shape, gpu, n, ckpt)
+    out = [_trainer_group(cfg, shape, n, ckpt)]
+    workers = cfg.services.rollout_workers
+    if workers:
+        name = "rollout-0" if workers == 1 else f"rollout-0..{workers - 1}"
+        engine_gpus = _engine_gpus(cfg)
+        if cfg.rollout.engine == "torch":
+            where = "1 GPU" if engine_gpus == 1 else f"the first of {engine_gpus} GPUs"
+        else:
+            where = "1 GPU" if engine_gpus == 1 else f"each of {engine_gpus} GPUs"
+        out.append(GpuGroup(name, where, tuple(e.engine_parts(cfg, shape, gpu, n.seq))))
+    roles = []
+    if cfg.algorithm.kl_coef > 0 or cfg.algorithm.distill_coef > 0:
+        roles.append("reference-0")
+    if cfg.services.actor_fwd:
+        roles.append("actor_fwd-0")
+    forward = tuple(e.forward_parts(cfg, shape, n.tokens, n.response_tokens))
+    out += [GpuGroup(role, "1 GPU", forward) for role in roles]
+    return out
+
+
+def _engine_gpus(cfg: RunConfig) -> int:
+    if cfg.rollout.engine == "sglang":
+        return cfg.services.rollout_gpus * data_parallel(cfg.sglang.extra_args)
+    return cfg.services.rollout_gpus
+
+
+def _colocate_groups(
+    cfg: RunConfig, shape: Shape, gpu: Gpu, n: Lengths, ckpt: bool
+) -> list[GpuGroup]:
+    """GPU 0 holds the trainer and the engine; a trainer over several GPUs and an SGLang
+    server's other replicas (or tensor-parallel ranks) fill the rest."""
+    trainer = trainer_parts(cfg, shape, n, ckpt)
+    engine = e.engine_parts(cfg, shape, gpu, n.seq)
+    engine_only = [part for part in engine if part.name != "CUDA context"]
+    first = GpuGroup("colocate", "GPU 0", tuple(trainer + engine_only + _context()))
+    trainers = cfg.services.trainer_gpus
+    servers = _engine_gpus(cfg) if cfg.rollout.engine == "sglang" else 1
+    out, start = [first], 1
+    for end, parts in (
+        (min(trainers, servers), trainer + engine_only),
+        (trainers, trainer),
+        (servers, engine_only),
+    ):
+        if end > start:
+            where = f"GPU {start}" if end == start + 1 else f"GPUs {start}-{end - 1}, each"
+            out.append(GpuGroup("colocate", where, tuple(parts + _context())))
+            start = end
+    return out
+
+
+def _context() -> list[p.Part]:
+    return [p.Part("CUDA context", p.CUDA_CONTEXT)]
+
+
+def _problem(cfg: RunConfig, group: GpuGroup, gpu: Gpu, shape: Shape, n: Lengths) -> str:
+    """Why `group` does not fit: its total, its largest parts with their settings, and for a
+    trainer the micro-batch that would fit."""
+    named = sorted((part for part in group.parts if part.setting), key=lambda x: -x.bytes)
+    listed = "; ".join(f"{x.name} {x.bytes / GIB:.1f} GiB ({x.setting})" for x in named[:4])
+    text = (
+        f"{group.process} ({group.gpus}): {group.total / GIB:.1f} GiB > "
+        f"{gpu.gib:.1f} GiB of the {gpu.name}: {listed}"
+    )
+    per_token = [x for x in group.parts if x.name.startswith(("activations", "logits"))]
+    if per_token:
+        fixed = group.total - sum(x.bytes for x in per_token)
+        per = sum(x.bytes for x in per_token) / n.tokens
+        room = (gpu.memory - fixed) / per
+        if room >= n.seq:
+            fit = 1 << (int(room).bit_length() - 1)
+            text += f"; train.micro_batch_tokens {fit:,} would fit here"
+        else:
+            text += (
+                f"; not even one sequence ({n.seq:,} tokens) fits beside the rest: shard the "
+                "trainer's state (services.trainer_gpus, train.backend fsdp or megatron) or use "
+                "a larger GPU"
+            )
+    return text
