@@ -27,6 +27,8 @@ import os
 import torch
 
 from relax_core.config import RunConfig
+from relax_core.plan.devices import Gpu
+from relax_core.plan.memory import trainer_checkpointing
 from relax_core.train.backend import MASTER_WEIGHTS_FILE
 
 
@@ -67,32 +69,13 @@ def make_backend(model, cfg: RunConfig, backend: str | None = None, source: str 
     a run's first checkpoint). `model` is loaded in `trainer_dtype(cfg, backend)`; Megatron
     reads each rank's shards from the policy directory `source` when given (`model` may then
     be a meta-device skeleton, see `trainer_policy`)."""
-    from relax_core.models.attention import use_float32_attention
-    from relax_core.models.precision import resolve_matmul_dtype
-    from relax_core.train.torch_backend import build_backend
-
     t = cfg.train
     compute = getattr(torch, cfg.model.dtype)
     # Without an entropy term the entropy is a metric: no graph is kept behind it.
     entropy_grad = cfg.algorithm.entropy_coef > 0
+    recompute = activation_checkpointing(cfg)
     if (backend or t.backend) == "torch":
-        if torch.cuda.is_available():  # the trainer's GPU; log-probs come back to the CPU rows
-            model.to("cuda")
-        if cfg.model.matmul_dtype:  # bf16 matmuls, or auto's float32: float32 attention, packed
-            use_float32_attention(model)
-        if matmul_name := resolve_matmul_dtype(cfg.model.matmul_dtype):  # bf16 linear layers
-            matmuls = getattr(torch, matmul_name)
-            return build_backend(
-                model,
-                t,
-                cfg.rollout.temperature,
-                compute_dtype=matmuls,
-                weights_dtype=compute,
-                entropy_grad=entropy_grad,
-            )
-        return build_backend(
-            model, t, cfg.rollout.temperature, compute_dtype=compute, entropy_grad=entropy_grad
-        )
+        return _torch_backend(model, cfg, entropy_grad, recompute)
     device = _trainer_group(cfg.services.trainer_gpus)
     if t.backend == "fsdp":
         from relax_core.train.fsdp import build_fsdp_backend
@@ -104,6 +87,7 @@ def make_backend(model, cfg: RunConfig, backend: str | None = None, source: str 
             device=device,
             compute_dtype=compute,
             entropy_grad=entropy_grad,
+            activation_checkpointing=recompute,
         )
     from relax_core.train.megatron.backend import build_megatron_backend
     from relax_core.train.megatron.config import MegatronParallel
@@ -116,6 +100,7 @@ def make_backend(model, cfg: RunConfig, backend: str | None = None, source: str 
         ep=p.expert,
         sequence_parallel=p.sequence_parallel and p.tensor > 1,
         distributed_optimizer=p.distributed_optimizer,
+        recompute=recompute,
     )
     return build_megatron_backend(
         source or model,
@@ -126,6 +111,42 @@ def make_backend(model, cfg: RunConfig, backend: str | None = None, source: str 
         routing_replay=t.routing_replay,
         moe_aux_loss_coeff=t.moe_aux_loss_coef,
     )
+
+
+def _torch_backend(model, cfg: RunConfig, entropy_grad: bool, recompute: bool):
+    """The torch backend on this process's GPU (or CPU), computing in model.dtype, or in
+    model.matmul_dtype's bf16 linear layers with float32 attention."""
+    from relax_core.models.attention import use_float32_attention
+    from relax_core.models.precision import resolve_matmul_dtype
+    from relax_core.train.torch_backend import build_backend
+
+    if torch.cuda.is_available():  # the trainer's GPU; log-probs come back to the CPU rows
+        model.to("cuda")
+    compute = getattr(torch, cfg.model.dtype)
+    weights = None
+    if cfg.model.matmul_dtype:  # bf16 matmuls, or auto's float32: float32 attention, packed
+        use_float32_attention(model)
+    if matmul_name := resolve_matmul_dtype(cfg.model.matmul_dtype):  # bf16 linear layers
+        compute, weights = getattr(torch, matmul_name), compute
+    return build_backend(
+        model,
+        cfg.train,
+        cfg.rollout.temperature,
+        compute_dtype=compute,
+        weights_dtype=weights,
+        entropy_grad=entropy_grad,
+        activation_checkpointing=recompute,
+    )
+
+
+def activation_checkpointing(cfg: RunConfig) -> bool:
+    """train.activation_checkpointing for this process: 'auto' asks the memory plan about the
+    GPU this trainer runs on (off on a CPU)."""
+    gpu = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        gpu = Gpu(props.name, props.total_memory)
+    return trainer_checkpointing(cfg, gpu)
 
 
 TRAINING_STATE = {"torch": "optimizer.pt", "fsdp": "optim", "megatron": "megatron"}

@@ -254,19 +254,27 @@ def build_fsdp_backend(
     device: torch.device | str = "cpu",
     compute_dtype: torch.dtype | None = None,
     entropy_grad: bool = True,
+    activation_checkpointing: bool = False,
 ) -> FSDPBackend:
     """The trainer's FSDP2 backend for `model` under the run's `train` settings. Call on every
     rank after `init_process_group` (and `torch.cuda.set_device(local_rank)` on GPU), with the
     same unsharded `model` on each (e.g. loaded from the same checkpoint); `device` is this
     rank's ('cuda:<local_rank>' or 'cpu'); `mesh` defaults to all ranks of the default group;
     `compute_dtype` narrower than `model`'s float32 makes it master weights (mixed precision);
-    `entropy_grad`: the loss has an entropy term."""
+    `entropy_grad`: the loss has an entropy term; `activation_checkpointing`: each decoder layer
+    recomputes its activations in backward (torch_backend.use_activation_checkpointing)."""
     device = torch.device(device)
     if mesh is None:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     root = shard_policy(model, mesh, compute_dtype)
     # AdamW over the sharded parameters; FSDP2 (not autocast) computes in compute_dtype
-    inner = build_backend(model, train, temperature, entropy_grad=entropy_grad)
+    inner = build_backend(
+        model,
+        train,
+        temperature,
+        entropy_grad=entropy_grad,
+        activation_checkpointing=activation_checkpointing,
+    )
     inner.weights_dtype = compute_dtype or inner.weights_dtype
     inner.scorer = root
     return FSDPBackend(inner, mesh, device)

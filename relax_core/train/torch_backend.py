@@ -333,6 +333,19 @@ class TorchBackend:
             load_master_weights(self.model, os.path.join(directory, MASTER_WEIGHTS_FILE))
 
 
+def use_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Each decoder layer keeps only its input for backward and recomputes the rest there
+    (transformers' gradient checkpointing). Non-reentrant: gradients reach a frozen LoRA base's
+    inputs and FSDP2's hooks run as in a plain backward. transformers renamed the method after
+    5.17 (the GPU image's), which has only the old name."""
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def build_backend(
     model: PreTrainedModel,
     train: TrainConfig,
@@ -340,12 +353,16 @@ def build_backend(
     compute_dtype: torch.dtype | None = None,
     weights_dtype: torch.dtype | None = None,
     entropy_grad: bool = True,
+    activation_checkpointing: bool = False,
 ) -> TorchBackend:
     """The trainer's backend for `model` (float32 master weights when `compute_dtype` is
     narrower, unless `weights_dtype` keeps what engines receive float32) under the run's
-    `train` settings; `entropy_grad`: the loss has an entropy term."""
+    `train` settings; `entropy_grad`: the loss has an entropy term; `activation_checkpointing`:
+    train.activation_checkpointing as the memory plan resolved it (plan.trainer_checkpointing)."""
     if train.routing_replay:
         attach_routing_replay(model)
+    if activation_checkpointing:
+        use_activation_checkpointing(model)
     encoders = getattr(model, "is_encoder_parameter", None)
     scale = None
     if encoders is not None and train.encoder_lr_scale != 1.0:

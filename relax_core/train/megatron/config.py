@@ -27,6 +27,9 @@ class MegatronParallel:
     """Shard norms/dropout activations along the sequence over the TP group (needs tp > 1)."""
     distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
+    recompute: bool = False
+    """Full activation recompute: each layer keeps its input and recomputes the rest in
+    backward (train.activation_checkpointing as the memory plan resolved it)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep"):
@@ -165,6 +168,10 @@ def transformer_config_kwargs(
         "sequence_parallel": parallel.sequence_parallel,
         "calculate_per_token_loss": True,
     }
+    if parallel.recompute:  # one layer per checkpointed chunk, as HF's gradient checkpointing
+        kwargs.update(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
     if dims.num_experts:
         if moe_aux_loss_coeff < 0:
             raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {moe_aux_loss_coeff}")
