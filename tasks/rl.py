@@ -78,14 +78,18 @@ def _cfg(cfg_json: str) -> RunConfig:
 
 @task(**registered("prepare_data"))
 def prepare_data(cfg: RunConfig) -> Prepared:
-    """Validate everything a run needs before any work starts; returns the config as JSON and the
-    train data fingerprint."""
+    """Validate everything a run needs before any work starts, its GPUs' memory included (the
+    memory plan for services.accelerator, printed; a run that does not fit fails here, its
+    message the plan with each problem); returns the config as JSON and the data fingerprint."""
     from relax_core.data.dataset import fingerprint
     from relax_core.heap import freeze_heap
+    from relax_core.plan.memory import plan_gpu
+    from relax_core.plan.report import check_memory, render
     from relax_core.run.lifecycle import preflight
 
     freeze_heap()  # flytekit, the workflow's modules and the config: the task process keeps them
     preflight(cfg)
+    print(render(check_memory(cfg, plan_gpu(cfg))), flush=True)
     cfg_json = json.dumps(config_to_dict(cfg), sort_keys=True)
     return Prepared(
         cfg_json=cfg_json,

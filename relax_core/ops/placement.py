@@ -14,7 +14,8 @@ base GPU 0) count from the first of them.
   of the trainer and its SGLang server needs (the server gives its memory back while the trainer
   works, so they share by design).
 A plan that needs more GPUs than are visible is refused with the count of each part. With no GPU
-visible (a CPU run) nothing is set.
+visible (a CPU run) nothing is set. `preflight_gpus` adds the memory plan (relax_core/plan): what
+each GPU holds, refused before anything starts when it does not fit.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from dataclasses import dataclass
 
 from relax_core.config import RunConfig
 from relax_core.config.checks_gpu import data_parallel
+from relax_core.plan.devices import Gpu
+from relax_core.plan.memory import plan_gpu
+from relax_core.plan.report import check_memory, render
 from relax_core.roles.service import stage_chain
 
 VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
@@ -129,3 +133,24 @@ def describe(slots: list[Slot]) -> str:
         return "placement: no GPU visible; every process runs on CPU"
     rows = [f"  {s.process:<12} GPU {','.join(s.devices):<16} {s.why}" for s in slots]
     return "placement:\n" + "\n".join(rows)
+
+
+def planned_gpu(cfg: RunConfig, slots: list[Slot]) -> Gpu | None:
+    """The card a run's memory is planned for: its services.accelerator, else the first
+    visible GPU; None for a CPU run (not planned)."""
+    if cfg.services.accelerator or not slots:
+        return plan_gpu(cfg)
+    import torch
+
+    if not torch.cuda.is_available():  # device ids listed, but no CUDA in this process
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return Gpu(props.name, props.total_memory)
+
+
+def preflight_gpus(cfg: RunConfig, visible: list[str]) -> tuple[list[Slot], str]:
+    """(placement, the placement and memory plan as printed at start); PlacementError or
+    plan.MemoryPlanError (its message: the whole plan and each problem) refuses the run."""
+    slots = plan(cfg, visible)
+    memory = check_memory(cfg, planned_gpu(cfg, slots))
+    return slots, describe(slots) + "\n" + render(memory)

@@ -44,7 +44,7 @@ from dataclasses import fields
 from relax_core.config import RunConfig, config_to_dict
 from relax_core.ops.elastic import ElasticPool
 from relax_core.ops.notify import Notifier
-from relax_core.ops.placement import Slot, describe, env_for, plan, visible_devices
+from relax_core.ops.placement import Slot, env_for, preflight_gpus, visible_devices
 from relax_core.ops.processes import (
     RoleProcess,
     give_up_message,
@@ -121,10 +121,10 @@ class Supervisor:
         return cfg_path
 
     def _place(self) -> None:
-        """Decide every process's GPUs (placement.py): refused before anything starts when they
-        do not fit; printed, and kept in the run directory."""
-        self.placement = plan(self.cfg, visible_devices())
-        print(describe(self.placement), file=sys.stderr, flush=True)
+        """Decide every process's GPUs (placement.py) and check their memory (relax_core/plan):
+        refused before anything starts when they do not fit; printed, and kept in the run dir."""
+        self.placement, printed = preflight_gpus(self.cfg, visible_devices())
+        print(printed, file=sys.stderr, flush=True)
         rows = [dataclasses.asdict(slot) for slot in self.placement]
         write_json(join(self.run_dir, "placement.json"), rows, self.options)
 
