@@ -68,6 +68,8 @@ def demand(cfg: RunConfig) -> list[tuple[str, int, str]]:
         return [("colocate", max(s.trainer_gpus, server), what)]
     if cfg.rollout.engine == "sglang":
         engine_what = f"SGLang server (tp {s.rollout_gpus})"
+    elif cfg.rollout.engine == "vllm":
+        engine_what = f"vLLM server (tp {s.rollout_gpus})"
     else:
         engine_what = "torch engine"
     out = [("trainer-0", s.trainer_gpus, f"{cfg.train.backend} trainer, one rank per GPU")]
