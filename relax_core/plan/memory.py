@@ -132,6 +132,8 @@ def _checkpointing(cfg: RunConfig, shape: Shape, gpu: Gpu, n: Lengths) -> bool:
         return setting == "on"
     if cfg.train.backend == "megatron" and cfg.train.routing_replay:
         return False  # Megatron's recompute would route the replayed tokens twice (replay.py)
+    if cfg.mode == "colocate":  # the trainer's GPU holds the engine too
+        return _colocate_groups(cfg, shape, gpu, n, False)[0].total > gpu.memory
     return _trainer_group(cfg, shape, n, False).total > gpu.memory
 
 
@@ -262,6 +264,11 @@ def _problem(cfg: RunConfig, group: GpuGroup, gpu: Gpu, shape: Shape, n: Lengths
         if room >= n.seq:
             fit = 1 << (int(room).bit_length() - 1)
             text += f"; train.micro_batch_tokens {fit:,} would fit here"
+        elif any("checkpointing off" in x.name for x in per_token):
+            text += (
+                f"; not even one sequence ({n.seq:,} tokens) fits without activation "
+                "checkpointing: set train.activation_checkpointing on (or auto)"
+            )
         else:
             text += (
                 f"; not even one sequence ({n.seq:,} tokens) fits beside the rest: shard the "

@@ -59,7 +59,13 @@ class Shape:
         """Everything but the routed experts: embeddings, attention, dense MLPs, routers."""
         mlp = self.hidden * self.experts if self.experts else 3 * self.hidden * self.intermediate
         embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
-        return self.layers * (self.attention_params + mlp) + embeddings + self.encoder_params
+        final_norm = self.hidden
+        return (
+            self.layers * (self.attention_params + mlp)
+            + embeddings
+            + final_norm
+            + (self.encoder_params)
+        )
 
     @property
     def params(self) -> int:
