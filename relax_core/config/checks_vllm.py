@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from relax_core.config.services import VLLM_PAUSE_MODES as PAUSE_MODES
+from relax_core.config.services import VLLM_TRANSFERS as TRANSFERS
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Head widths vLLM 0.32's CPU attention takes (CPUAttentionBackend.get_supported_head_sizes)."""
@@ -19,6 +20,7 @@ def check_vllm(e: list[str], cfg: Any, modality: str | None) -> None:
     v, r = cfg.vllm, cfg.rollout
     if v.pause_mode not in PAUSE_MODES:
         e.append(f"vllm.pause_mode: {v.pause_mode!r} is not one of {', '.join(PAUSE_MODES)}")
+    _check_transfer(e, cfg)
     if v.max_model_len < 2:
         e.append(f"vllm.max_model_len: must be >= 2, got {v.max_model_len}")
     elif r.max_new_tokens >= v.max_model_len:
@@ -72,4 +74,20 @@ def check_vllm(e: list[str], cfg: Any, modality: str | None) -> None:
         e.append(
             f"services.weight_sync: {cfg.services.weight_sync!r} with rollout.engine 'vllm'; "
             "vLLM servers receive weights through their weight-transfer engine: use 'broadcast'"
+        )
+
+
+def _check_transfer(e: list[str], cfg: Any) -> None:
+    chosen = cfg.vllm.weight_transfer
+    if chosen not in TRANSFERS:
+        e.append(f"vllm.weight_transfer: {chosen!r} is not one of {', '.join(TRANSFERS)}")
+    elif chosen == "nccl" and not cfg.services.accelerator:
+        e.append(
+            "vllm.weight_transfer: 'nccl' needs GPUs (services.accelerator is empty); on CPUs "
+            "use 'relax_gloo' or 'auto'"
+        )
+    elif chosen == "nccl" and cfg.mode == "colocate":
+        e.append(
+            "vllm.weight_transfer: 'nccl' in a colocate run puts the trainer and its server on "
+            "one GPU, and NCCL refuses two ranks on one device; use 'relax_gloo' or 'auto'"
         )

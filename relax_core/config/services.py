@@ -192,6 +192,8 @@ class SGLangConfig:
 
 VLLM_PAUSE_MODES = ("abort", "wait", "keep")
 """vLLM 0.32's /pause modes (vllm.pause_mode)."""
+VLLM_TRANSFERS = ("auto", "nccl", "relax_gloo")
+"""vllm.weight_transfer's values."""
 
 
 @dataclass(frozen=True)
@@ -222,6 +224,11 @@ class VLLMConfig:
     lora_dir: str = "/dev/shm/relax-lora"
     """A LoRA policy: where the trainer writes each adapter version (PEFT's files) for the
     servers to load by path (node-local memory; one folder per run under it)."""
+    weight_transfer: str = "auto"
+    """How the trainer's weights reach the servers: 'nccl' (vLLM's own NCCL engine, GPU to GPU),
+    'relax_gloo' (a gloo broadcast through host memory: CPUs, and a server sharing the trainer's
+    GPU) or 'auto' (nccl for servers on GPUs of their own, relax_gloo otherwise). A server at
+    vllm.url must run the same (--weight-transfer-config)."""
     extra_args: str = ""
     """More server arguments, as on a command line (e.g. '--tensor-parallel-size 2')."""
     start_timeout_s: float = 600.0

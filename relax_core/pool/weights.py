@@ -86,9 +86,9 @@ def make_sender(cfg: RunConfig, queue: TransferQueue, specs: list[Any]):
         )
         return TrainerSync(broadcast, vllm, queue)
     if cfg.rollout.engine == "vllm":  # vLLM's weight-transfer API (sync/vllm.py)
-        from relax_core.sync.vllm import VLLMSender
+        from relax_core.sync.vllm_nccl import vllm_sender_class
 
-        vllm = VLLMSender(
+        vllm = vllm_sender_class(cfg)(
             servers,
             checkpoint_specs(specs),
             bucket_bytes=s.bucket_mb << 20,

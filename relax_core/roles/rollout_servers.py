@@ -66,10 +66,10 @@ def own_server(ctx, state: dict[str, Any]):
     version = int(state["policy_version"])
     if cfg.rollout.engine == "vllm":
         from relax_core.rollout.vllm_server import attach_or_start as vllm_server
-        from relax_core.rollout.vllm_server import lora_setup
+        from relax_core.rollout.vllm_server import launch_flags
 
         client, server = vllm_server(
-            cfg.vllm, ctx.worker, ctx.checkpoint, version, log_path, lora_setup(cfg)
+            cfg.vllm, ctx.worker, ctx.checkpoint, version, log_path, launch_flags(cfg)
         )
     else:
         replay = bool(getattr(cfg.train, "routing_replay", False))

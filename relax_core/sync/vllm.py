@@ -45,12 +45,15 @@ class VLLMSender(SGLangSender):
 
     what = "vLLM"
     client_class = ServerClient
+    transport = "gloo"
+    """The process-group backend of this side (relax_gloo: the broadcast goes through host
+    memory)."""
 
     def __init__(self, engines: Any, specs: list[Any], **options: Any) -> None:
         pause_mode = options.pop("pause_mode", "wait")
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"vllm.pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
-        options["backend"] = "gloo"  # relax_gloo: the broadcast goes through host memory
+        options["backend"] = self.transport
         super().__init__(engines, specs, pause_mode=pause_mode, **options)
 
     def _update(self, stream: Any, version: int) -> None:
@@ -87,13 +90,20 @@ class VLLMSender(SGLangSender):
             "group_name": group,
             "timeout_s": self.timeout_s,
         }
+        return self._init_engine(name, url, info, BACKEND)
+
+    def _init_engine(self, name: str, url: str, info: dict[str, Any], backend: str) -> Any:
+        """`/init_weight_transfer_engine` on server `name`; returns once it joined the group."""
         try:
             return self._client(name, url).post("/init_weight_transfer_engine", {"init_info": info})
         except ServerError as err:
+            package = (
+                ", the relax-vllm-weights package in its environment" if backend == BACKEND else ""
+            )
             raise VLLMError(
-                f"{err}; the server must run the {BACKEND!r} weight-transfer engine "
-                f'(--weight-transfer-config \'{{"backend": "{BACKEND}"}}\', the '
-                "relax-vllm-weights package installed in its environment)"
+                f"{err}; the server must run the {backend!r} weight-transfer engine "
+                f'(--weight-transfer-config \'{{"backend": "{backend}"}}\'{package}; '
+                "vllm.weight_transfer says which)"
             ) from err
 
     def _join(self, port: int, world: int, group: str) -> Any:
@@ -114,6 +124,13 @@ class VLLMSender(SGLangSender):
     def _send_bucket(
         self, bucket: Bucket, tensors: dict[str, torch.Tensor], version: int | None
     ) -> None:
+        futures = self._post_update_info(bucket)
+        self.group.broadcast(self._flat_bytes(bucket, tensors), 0).wait()
+        for n, future in futures:
+            self._result(n, future)
+
+    def _post_update_info(self, bucket: Bucket) -> list[tuple[str, Any]]:
+        """`/update_weights` for `bucket` on every member, in flight while rank 0 broadcasts."""
         body = {
             "update_info": {
                 "names": [s.name for s in bucket.specs],
@@ -121,13 +138,10 @@ class VLLMSender(SGLangSender):
                 "shapes": [list(s.shape) for s in bucket.specs],
             }
         }
-        futures = [
+        return [
             (n, self._executor().submit(self._client(n, u).post, "/update_weights", body))
             for n, u in self.members
         ]
-        self.group.broadcast(self._flat_bytes(bucket, tensors), 0).wait()
-        for n, future in futures:
-            self._result(n, future)
 
 
 class VLLMLoRASender(SGLangLoRASender):

@@ -29,10 +29,19 @@ from relax_core.rollout.vllm_engine import VLLMEngine
 
 
 class ColocatedVLLM:
-    """A `RolloutEngine` over one vLLM server that takes the trainer's weights between steps."""
+    """A `RolloutEngine` over one vLLM server that takes the trainer's weights between steps.
 
-    def __init__(self, engine: VLLMEngine, sender) -> None:
+    With `give_back` (a server on the trainer's GPU, started with --enable-sleep-mode) the
+    server sleeps while the trainer trains: level 2 (weights and KV cache released: the next
+    update brings every weight) for full weights, level 1 (weights to host memory) for a LoRA
+    policy, whose base no update brings. It wakes its weights for the update, and its KV cache
+    for the next generation."""
+
+    def __init__(self, engine: VLLMEngine, sender, give_back: bool = False) -> None:
         self.engine, self.sender = engine, sender
+        self.give_back = give_back
+        self.asleep: set[str] = set()
+        """What the server released for the trainer ('weights', 'kv_cache')."""
 
     @property
     def version(self) -> int:
@@ -45,17 +54,32 @@ class ColocatedVLLM:
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, media: list | None = None
     ) -> list[Completion]:
+        self._wake(None)
         return self.engine.generate(prompts, params, media)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int):
         named = named_tensors if self.engine.lora else checkpoint_names(named_tensors)
+        self._wake(["weights"])
         self.sender.push(named, version)
         if self.engine.lora:
             self.engine.refresh_version()  # the adapter requests name from now on
         self.engine.version = version
 
     def sleep(self) -> None:
-        pass  # a CPU server has nothing to give back; the trainer's step does not overlap it
+        """Release the server's GPU memory for the trainer's step (nothing generates now)."""
+        if not self.give_back or self.asleep:
+            return
+        level = 1 if self.engine.lora else 2
+        self.engine.client.post(f"/sleep?level={level}&mode=wait", {})
+        self.asleep = {"weights", "kv_cache"}
+
+    def _wake(self, tags: list[str] | None) -> None:
+        """Take back what sleep released: `tags`, or all of it."""
+        wanted = self.asleep if tags is None else self.asleep & set(tags)
+        if not wanted:
+            return
+        self.engine.client.post("/wake_up?" + "&".join(f"tags={t}" for t in sorted(wanted)), {})
+        self.asleep -= wanted
 
     def pause(self) -> None:
         pass  # colocate: nothing generates while the trainer's weights arrive
@@ -105,7 +129,8 @@ def start_colocated(
     process started for an earlier session, given `weights()` as `version`; vllm.url; or a new
     one), its weight group formed with the trainer."""
     from relax_core.rollout import vllm_server
-    from relax_core.sync.vllm import VLLMLoRASender, VLLMSender, lora_dir
+    from relax_core.sync.vllm import VLLMLoRASender, lora_dir
+    from relax_core.sync.vllm_nccl import vllm_sender_class
 
     key = None if cfg.vllm.url else _shared_key(cfg, policy_dir)
     shared = _SHARED.get(key) if key else None
@@ -118,7 +143,12 @@ def start_colocated(
     else:
         log_path = os.path.join(run_dir, "logs", "vllm-colocate.log")
         client, server = vllm_server.attach_or_start(
-            cfg.vllm, 0, policy_dir, version, log_path, vllm_server.lora_setup(cfg)
+            cfg.vllm,
+            0,
+            policy_dir,
+            version,
+            log_path,
+            vllm_server.launch_flags(cfg, colocated=True),
         )
         if server is not None:
             _SHARED[key] = server
@@ -131,14 +161,14 @@ def start_colocated(
             [("colocate", client.url)], specs, cfg.train.lora.alpha, 1, lora_dir=target
         )
     else:
-        sender = VLLMSender(
+        sender = vllm_sender_class(cfg, colocated=True)(
             [("colocate", client.url)],
             specs,
             bucket_bytes=cfg.services.bucket_mb << 20,
             timeout_s=cfg.services.start_timeout_s,
             pause_mode=cfg.vllm.pause_mode,
         )
-    colocated = ColocatedVLLM(engine, sender)
+    colocated = ColocatedVLLM(engine, sender, give_back=bool(cfg.services.accelerator))
     if shared is not None or lora:  # this session's weights (or adapter) go in first
         colocated.update_weights(weights(), version)
     else:

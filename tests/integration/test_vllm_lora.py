@@ -54,7 +54,7 @@ def test_a_cpu_server_does_not_inherit_the_workers_thread_budget(monkeypatch):
 
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     monkeypatch.setenv("MKL_NUM_THREADS", "2")
-    env = server_env(VLLMConfig(kv_cache_gib=3), lora=["--enable-lora"])
+    env = server_env(VLLMConfig(kv_cache_gib=3), ["--enable-lora"])
     assert "OMP_NUM_THREADS" not in env and "MKL_NUM_THREADS" not in env
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
