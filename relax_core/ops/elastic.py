@@ -127,8 +127,8 @@ class ElasticPool:
             return 202, self._begin("scale_out", body, names, target).to_json()
 
     def _register(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """External engines: SGLang servers already running, driven by a rollout process each
-        and synced through the trainer's SGLang weight group. A URL already live in the pool
+        """External engines: SGLang (or vLLM, for rollout.engine 'vllm') servers already running,
+        driven by a rollout process each and synced through the trainer's weight group. A URL already live in the pool
         is not added again; an unreachable one refuses the whole request."""
         urls = urls_of(body["urls"])
         if self.cfg.services.weight_sync != "broadcast":
@@ -153,7 +153,7 @@ class ElasticPool:
                 )
         # Outside the lock: a probe may take seconds, and /engines must stay answerable.
         for url in new:
-            probe_server(url)
+            probe_server(url, self.cfg.rollout.engine)
         with self.lock:
             if (same := self._busy("scale_out", body)) is not None:
                 return 200, same

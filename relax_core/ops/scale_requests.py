@@ -9,7 +9,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from relax_core.rollout.server_client import ServerClient
 from relax_core.rollout.sglang_engine import SGLangClient, SGLangError
+from relax_core.rollout.vllm_engine import VLLMError, require_rl_api
 
 
 class ApiError(Exception):
@@ -69,11 +71,19 @@ def urls_of(value: Any) -> list[str]:
     return urls
 
 
-def probe_server(url: str) -> None:
+def probe_server(url: str, engine: str = "sglang") -> None:
+    """ApiError 400 unless `url` answers as a server of the run's rollout.engine: healthy, and
+    for vLLM with the RL API the trainer's weight updates go through."""
+    what = "a vLLM" if engine == "vllm" else "an SGLang"
     try:
         SGLangClient(url, timeout_s=5.0).get("/health")
     except SGLangError as err:
-        raise ApiError(400, f"{url} does not answer as an SGLang server: {err}") from err
+        raise ApiError(400, f"{url} does not answer as {what} server: {err}") from err
+    if engine == "vllm":
+        try:
+            require_rl_api(ServerClient(url, timeout_s=30.0))
+        except VLLMError as err:
+            raise ApiError(400, str(err)) from err
 
 
 def count_of(value: Any, what: str, low: int, high: int) -> int:

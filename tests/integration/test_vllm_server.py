@@ -16,15 +16,19 @@ import urllib.request
 import pytest
 import torch
 
+from relax_core.agents.batcher import EngineBatcher
+from relax_core.agents.server import AgentEndpoint, CallLimits
 from relax_core.config import ModelConfig, RunConfig, VLLMConfig
 from relax_core.config.checks import validate
 from relax_core.models.tiny import build_char_tokenizer, build_tiny_qwen3
+from relax_core.ops.scale_requests import ApiError, probe_server
 from relax_core.rollout.engine import SamplingParams
 from relax_core.rollout.server_client import ServerClient
 from relax_core.rollout.vllm_engine import VLLMEngine, VLLMError
 from relax_core.rollout.vllm_server import attach_or_start, start_server
 from relax_core.sync.buckets import specs_of
 from relax_core.sync.vllm import VLLMSender
+from relax_core.sync.vllm_colocate import ColocatedVLLM
 from tests.needs import vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -267,16 +271,15 @@ def test_context_overflow_names_the_settings(served):
     ), errors
 
 
-def test_unknown_model_is_refused_by_name(served, tmp_path):
+def test_unknown_model_is_refused_by_name_before_a_server_starts(served, tmp_path):
     cfg = VLLMConfig(python=served["python"], start_timeout_s=300)
     with pytest.raises(VLLMError, match="no model at .*config.json"):
         start_server(str(tmp_path / "nowhere"), cfg, 0, str(tmp_path / "a.log"))
     (tmp_path / "odd").mkdir()
-    (tmp_path / "odd" / "config.json").write_text('{"model_type": "no-such-architecture"}')
-    with pytest.raises(
-        VLLMError, match=r"(?s)exited with code .*server's log.*no-such-architecture"
-    ):
+    (tmp_path / "odd" / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"]}')
+    with pytest.raises(VLLMError, match=r"NoSuchForCausalLM .*does not serve .*architectures"):
         start_server(str(tmp_path / "odd"), cfg, 0, str(tmp_path / "b.log"))
+    assert not (tmp_path / "b.log").exists()  # refused before a server started
 
 
 def test_server_without_the_rl_api_is_refused_before_use(served, tmp_path):
@@ -298,7 +301,96 @@ def test_server_without_the_rl_api_is_refused_before_use(served, tmp_path):
         cfg = VLLMConfig(url=f"http://127.0.0.1:{port}", start_timeout_s=300)
         with pytest.raises(VLLMError, match="no RL API .*VLLM_SERVER_DEV_MODE=1"):
             attach_or_start(cfg, 0, str(served["dir"] / "policy"), 0, str(tmp_path / "x.log"))
+        # Registered with a running run (`relax scale out --url`): refused, naming the flags,
+        # while the module's server is taken.
+        with pytest.raises(ApiError, match="no RL API .*VLLM_SERVER_DEV_MODE=1") as refused:
+            probe_server(cfg.url, "vllm")
+        assert refused.value.status == 400
+        probe_server(served["client"].url, "vllm")
     finally:
         proc.terminate()
         proc.wait(60)
     assert ServerClient(served["client"].url).get("/health") is None  # the module's is unharmed
+
+
+def test_a_colocate_server_sleeps_for_the_trainer_and_wakes_for_the_update(served):
+    """A colocate server on a GPU releases its memory while the trainer trains (vLLM's sleep,
+    level 2), wakes its weights for the update and its KV cache for the next generation. A CPU
+    worker keeps its memory, but the engine takes the same steps (its scheduler paused until
+    every tag is awake): the update lands whole, and generation after it runs on the new
+    weights."""
+    client = served["client"]
+    new, version = policy(served["version"] + 41), served["version"] + 1
+    named = list(new.named_parameters())
+    sender = VLLMSender([("colocate", client.url)], specs_of(named), timeout_s=120.0)
+    engine = VLLMEngine(client)
+    engine.version = served["version"]
+    colocated = ColocatedVLLM(engine, sender, give_back=True)
+    try:
+        sender.init()
+        colocated.sleep()
+        assert client.get("/is_sleeping") == {"is_sleeping": True}
+        colocated.update_weights(iter(named), version)
+        assert colocated.asleep == {"kv_cache"}
+        assert client.get("/is_sleeping") == {"is_sleeping": True}
+        out = colocated.generate(PROMPTS, SamplingParams(max_new_tokens=12))
+        assert not colocated.asleep and client.get("/is_sleeping") == {"is_sleeping": False}
+    finally:
+        sender.destroy()
+    served["model"], served["version"] = new, version
+    assert all(c.policy_version == version for c in out)
+    assert max(gap(new, p, c) for p, c in zip(PROMPTS, out, strict=True)) < BOUND
+
+
+def test_an_engine_registered_mid_run_joins_the_weight_group_at_the_next_update(served):
+    """Elastic registration: the trainer's sender reads the pool at every update; a server
+    registered since the last one gets a group formed with it and every weight, and one drained
+    is left out of the next."""
+    client = served["client"]
+    pool: list[tuple[str, str]] = []
+    new = policy(served["version"] + 51)
+    named = list(new.named_parameters())
+    sender = VLLMSender(lambda: list(pool), specs_of(named), timeout_s=120.0)
+    try:
+        assert sender.push(iter(named), served["version"] + 1) is False  # nobody to send to
+        pool.append(("rollout-ext-0", client.url))
+        version = served["version"] + 1
+        assert sender.push(iter(named), version) is True  # formed with the registered server
+        served["model"], served["version"] = new, version
+        out = VLLMEngine(client).generate(PROMPTS[:4], SamplingParams(max_new_tokens=12))
+        assert max(gap(new, p, c) for p, c in zip(PROMPTS[:4], out, strict=True)) < BOUND
+        pool.clear()  # drained
+        assert sender.push(iter(named), version + 1) is True and sender.members == []
+    finally:
+        sender.destroy()
+    assert client.get("/weight_info")["weight_version"] == str(version)
+
+
+def test_the_agent_endpoint_serves_a_vllm_engine_token_for_token(served):
+    """An agent's OpenAI calls through the endpoint, generated by the vLLM engine: a second call
+    that extends the first (observation tokens between) continues its row, and the row holds
+    exactly the sampled tokens with the engine's log-probs, which are the served weights'."""
+    engine = VLLMEngine(served["client"])
+    engine.refresh_version()
+    endpoint = AgentEndpoint(build_char_tokenizer())
+    batcher = EngineBatcher(engine, SamplingParams(max_new_tokens=12), waiting_for=lambda: 1)
+    limits = CallLimits(max_calls=4, max_episode_tokens=64, max_new_tokens=12)
+    eid, base = endpoint.open_episode(batcher, limits)
+    agent = ServerClient(base, timeout_s=120.0, api_key=endpoint.token)
+    try:
+        first = agent.post(
+            "/completions", {"model": "policy", "prompt": PROMPTS[0], "max_tokens": 8}
+        )
+        prompt = PROMPTS[0] + first["relax"]["completion_token_ids"] + [5, 6]
+        agent.post("/completions", {"model": "policy", "prompt": prompt, "max_tokens": 8})
+        calls = endpoint.close_episode(eid)
+    finally:
+        batcher.close()
+        endpoint.close()
+    (row,) = calls.trajectory.segments
+    assert row.calls == 2 and row.versions == [served["version"]] * 4
+    sampled = [t for t, m in zip(row.response_ids, row.loss_mask, strict=True) if m]
+    assert row.prompt_ids == PROMPTS[0] and len(sampled) == sum(row.loss_mask) >= 2
+    ref = hf_logprobs(served["model"], row.prompt_ids, row.response_ids)
+    masked = [(a, b) for a, b, m in zip(row.logprobs, ref, row.loss_mask, strict=True) if m]
+    assert max(abs(a - b) for a, b in masked) < BOUND
