@@ -264,6 +264,12 @@ def _problem(cfg: RunConfig, group: GpuGroup, gpu: Gpu, shape: Shape, n: Lengths
         if room >= n.seq:
             fit = 1 << (int(room).bit_length() - 1)
             text += f"; train.micro_batch_tokens {fit:,} would fit here"
+        elif cfg.train.backend == "megatron" and cfg.train.routing_replay:
+            text += (
+                f"; not even one sequence ({n.seq:,} tokens) fits, and Megatron's recompute is "
+                "off under train.routing_replay: more services.trainer_gpus (expert data "
+                "parallel), fused attention (TransformerEngine), or routing_replay off"
+            )
         elif any("checkpointing off" in x.name for x in per_token):
             text += (
                 f"; not even one sequence ({n.seq:,} tokens) fits without activation "

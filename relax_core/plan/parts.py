@@ -140,12 +140,10 @@ def _sharding(layout: TrainerLayout) -> str:
     if layout.backend == "fsdp" and layout.gpus > 1:
         return f"FSDP2 over {layout.gpus} GPUs"
     if layout.backend == "megatron":
-        split = f"tp {layout.tensor}, ep {layout.expert}"
+        split = f"tp {layout.tensor} ep {layout.expert}"
         if not layout.distributed_optimizer:
-            return f"{split}, not sharded over data parallel"
-        return f"{split}, distributed over dp {layout.data_parallel} / expert dp " + str(
-            layout.expert_data_parallel
-        )
+            return f"{split}, dp-replicated"
+        return f"{split}, dp {layout.data_parallel} / expert dp {layout.expert_data_parallel}"
     return "one GPU, unsharded"
 
 
