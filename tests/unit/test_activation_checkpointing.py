@@ -111,3 +111,59 @@ def test_checkpointing_keeps_fewer_activation_bytes(backends):
     # Four layers: each keeps its input instead of everything its backward needs; the LM head,
     # the log-softmax and the final norm are kept either way.
     assert with_ckpt < 0.25 * without
+
+
+@pytest.fixture
+def gloo_group():
+    """A world-size-1 gloo group, as the FSDP2 backend forms for a one-GPU trainer."""
+    import torch.distributed as dist
+
+    from relax_core.net import free_port
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}", rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
+def test_fsdp2_checkpointing_gives_the_same_loss_and_gradients(gloo_group):
+    from relax_core.train.fsdp import build_fsdp_backend
+
+    mb = _micro_batch()
+    plain = _policy()
+    recomputing = copy.deepcopy(plain)
+    results = []
+    for model, ckpt in ((plain, False), (recomputing, True)):
+        backend = build_fsdp_backend(
+            model, TrainConfig(lr=1e-2), 1.0, activation_checkpointing=ckpt
+        )
+        metrics = backend.train_step([mb], _loss)
+        weights = {n: w.clone() for n, w in backend.named_weights()}
+        results.append((metrics["loss"], metrics["grad_norm"], weights))
+    (loss_a, norm_a, after_a), (loss_b, norm_b, after_b) = results
+    assert _checkpointed(recomputing) and not _checkpointed(plain)
+    assert loss_a == pytest.approx(loss_b, abs=1e-7)
+    assert norm_a == pytest.approx(norm_b, rel=1e-5) and norm_a > 0
+    for name in after_a:  # the same gradients make the same AdamW step
+        torch.testing.assert_close(after_b[name], after_a[name], rtol=1e-5, atol=1e-6)
+
+
+def test_megatron_recompute_is_full_per_layer():
+    from transformers import Qwen3Config
+
+    from relax_core.train.megatron.config import MegatronParallel, transformer_config_kwargs
+
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    assert "recompute_granularity" not in transformer_config_kwargs(config, MegatronParallel())
+    kwargs = transformer_config_kwargs(config, MegatronParallel(recompute=True))
+    assert (kwargs["recompute_granularity"], kwargs["recompute_method"]) == ("full", "uniform")
+    assert kwargs["recompute_num_layers"] == 1

@@ -232,3 +232,19 @@ def test_a_local_model_directory_gives_its_own_shape(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     cfg = config_from_dict({"model": {"kind": "pretrained", "source": str(tmp_path)}})
     assert model_shape(cfg.model) == KNOWN["Qwen/Qwen3-4B"] == shape_from_hf(config)
+
+
+def test_the_supervisor_preflight_prints_the_plan_and_refuses_what_it_refuses():
+    from relax_core.ops.placement import preflight_gpus
+    from relax_core.plan.memory import MemoryPlanError
+
+    eight = [str(i) for i in range(8)]
+    cfg = load_config(REPO / "configs" / "qwen3-4b-8xgpu.yaml")
+    slots, printed = preflight_gpus(cfg, eight)
+    assert len(slots) == 8 and "trainer-0    GPU 0" in printed and "fits: every GPU" in printed
+    too_big = replace(cfg, train={"micro_batch_tokens": 16384, "activation_checkpointing": "off"})
+    with pytest.raises(MemoryPlanError) as refused:
+        preflight_gpus(too_big, eight)
+    assert "does not fit:" in str(refused.value) and "optimizer state" in str(refused.value)
+    slots, printed = preflight_gpus(load_config(REPO / "configs" / "cpu-async.yaml"), [])
+    assert slots == [] and "CPU: not planned" in printed
