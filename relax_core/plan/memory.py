@@ -147,6 +147,7 @@ def layout(cfg: RunConfig) -> p.TrainerLayout:
         distributed_optimizer=t.parallel.distributed_optimizer,
         lora=t.lora.rank > 0,
         compute_bf16=cfg.model.dtype in ("bfloat16", "float16") or bool(cfg.model.matmul_dtype),
+        weight_bytes=4 if cfg.model.dtype == "float32" else 2,
     )
 
 

@@ -64,6 +64,8 @@ class TrainerLayout:
     lora: bool = False
     compute_bf16: bool = True
     """The forward computes in a 2-byte dtype (model.dtype bf16/fp16) over float32 masters."""
+    weight_bytes: int = 2
+    """Bytes a parameter of model.dtype takes (a LoRA run's frozen base is held in it)."""
 
     @property
     def data_parallel(self) -> int:
@@ -121,7 +123,8 @@ def trainer_state(shape: Shape, layout: TrainerLayout) -> list[Part]:
     where = where if n > 1 else where + "services.trainer_gpus, or train.lora.rank"
     p = shape.params
     if layout.lora:  # a frozen base in model.dtype; the adapters' state is small
-        return [Part("policy weights (frozen base, model.dtype)", 2 * p, "a larger GPU")]
+        base = Part("policy weights (frozen base, model.dtype)", layout.weight_bytes * p)
+        return [base]
     if layout.backend == "fsdp":
         gathered = shape.vocab * shape.hidden * (1 if shape.tied else 2)
         gathered += 2 * (shape.params - gathered) // shape.layers
