@@ -55,9 +55,11 @@ def check_vllm(e: list[str], cfg: Any, modality: str | None) -> None:
         e.append("vllm.lora_dir: required for a LoRA policy (adapter versions go through it)")
     if getattr(cfg.train, "routing_replay", False):
         e.append(
-            "train.routing_replay: rollout.engine 'vllm' does not return routed experts to "
-            "this build's rollout yet; use rollout.engine 'sglang' (--enable-return-routed-"
-            "experts) or 'torch' for routing replay"
+            "train.routing_replay: rollout.engine 'vllm' cannot replay routing here: vLLM 0.32 "
+            "returns routed experts only from its V2 model runner (--enable-return-routed-"
+            "experts refuses to start without VLLM_USE_V2_MODEL_RUNNER=1, which needs Triton, "
+            "so no CPU build has it), and this build's rollout does not read them; use "
+            "rollout.engine 'sglang' (--enable-return-routed-experts) or 'torch'"
         )
     if cfg.services.launch == "tasks":
         e.append(
