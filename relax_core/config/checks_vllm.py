@@ -81,7 +81,14 @@ def check_vllm(e: list[str], cfg: Any, modality: str | None) -> None:
 
 def _check_transfer(e: list[str], cfg: Any) -> None:
     chosen = cfg.vllm.weight_transfer
-    if chosen not in TRANSFERS:
+    if chosen == "ipc":
+        e.append(
+            "vllm.weight_transfer: 'ipc' is not offered: vLLM 0.32's CUDA IPC engine takes its "
+            "handles over HTTP only pickled, and unpickles them only with VLLM_ALLOW_INSECURE_"
+            "SERIALIZATION=1 (code execution for whoever reaches the port); a colocate server "
+            "takes weights through host memory instead ('auto')"
+        )
+    elif chosen not in TRANSFERS:
         e.append(f"vllm.weight_transfer: {chosen!r} is not one of {', '.join(TRANSFERS)}")
     elif chosen == "nccl" and not cfg.services.accelerator:
         e.append(

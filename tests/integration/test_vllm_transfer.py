@@ -62,8 +62,10 @@ def test_a_transfer_the_placement_cannot_run_is_refused_before_launch():
     assert any(e.startswith("vllm.weight_transfer: 'nccl' needs GPUs") for e in errors), errors
     colocate = with_transfer("qwen3-4b-8xgpu-colocate-vllm.yaml", "nccl")
     assert any("NCCL refuses two ranks on one device" in e for e in validate(colocate))
-    odd = validate(with_transfer("vllm-cpu.yaml", "ipc"))
-    assert any(e.startswith("vllm.weight_transfer: 'ipc' is not one of") for e in odd), odd
+    odd = validate(with_transfer("vllm-cpu.yaml", "shm"))
+    assert any(e.startswith("vllm.weight_transfer: 'shm' is not one of") for e in odd), odd
+    ipc = validate(with_transfer("qwen3-4b-8xgpu-colocate-vllm.yaml", "ipc"))
+    assert any("VLLM_ALLOW_INSECURE_SERIALIZATION" in e for e in ipc), ipc
     assert validate(with_transfer("qwen3-4b-8xgpu-vllm.yaml", "nccl")) == []
 
 
