@@ -75,6 +75,19 @@ def shared_prompt_hidden(model: PreTrainedModel, mb: MicroBatch) -> torch.Tensor
     return torch.cat([first.unsqueeze(1), rest], dim=1)
 
 
+def runs_shared(model: PreTrainedModel, mb: MicroBatch) -> bool:
+    """Whether `mb`'s forward takes this module's path: it has shared prompts, and either runs
+    packed (one pass) or its layers keep a KV cache between the prompt and the response passes.
+    Layers that recompute in backward (train.activation_checkpointing) keep none: transformers
+    turns use_cache off for them, so their rows run whole instead."""
+    if mb.shared is None:
+        return False
+    decoder = model.get_decoder()
+    if mb.response_ids.shape[1] > 1 and _packs(decoder):
+        return True
+    return not any(getattr(m, "gradient_checkpointing", False) for m in decoder.modules())
+
+
 def _bucketed_prompts(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """On a CPU, the distinct prompts [P, L] with the last one repeated up to
     `bucket_length(P)` rows: P x L is the prompt pass's matrix dimension, and P varies from step

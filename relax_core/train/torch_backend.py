@@ -33,7 +33,7 @@ from relax_core.multimodal.protocol import MultimodalDecoder
 from relax_core.train.backend import MASTER_WEIGHTS_FILE, MicroBatchLoss
 from relax_core.train.batch import MicroBatch
 from relax_core.train.master_weights import load_master_weights, save_master_weights
-from relax_core.train.shared_prompts import shared_prompt_hidden
+from relax_core.train.shared_prompts import runs_shared, shared_prompt_hidden
 
 OPTIMIZER_FILE = "optimizer.pt"
 
@@ -78,7 +78,7 @@ def greedy_matches(model: PreTrainedModel, mb: MicroBatch) -> torch.Tensor:
 
 def response_hidden(model: PreTrainedModel, mb: MicroBatch) -> torch.Tensor:
     """[B, R, d]: the decoder's hidden state predicting each response token of `mb`."""
-    if mb.shared is not None and mb.media is None:
+    if mb.media is None and runs_shared(model, mb):
         return shared_prompt_hidden(model, mb)
     if mb.media is not None and isinstance(model, MultimodalDecoder):  # M-RoPE positions
         inputs = model.decoder_inputs(mb.input_ids, mb.attention_mask, mb.media)

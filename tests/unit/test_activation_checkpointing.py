@@ -22,9 +22,13 @@ def _policy():
     return build_tiny_qwen3(cfg, vocab_size=79, seed=0)
 
 
-def _micro_batch():
+def _micro_batch(share_prompts: bool = False):
+    """Four rows; with `share_prompts` two groups of two rows repeating a prompt, which the
+    backend runs once per group (train/shared_prompts.py)."""
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 79, (24,), generator=gen).tolist() for _ in range(4)]
+    if share_prompts:
+        prompts = [prompts[0], prompts[0], prompts[1], prompts[1]]
     responses = [torch.randint(4, 79, (40 - i,), generator=gen).tolist() for i in range(4)]
     advantages = [[1.0 if i % 2 else -0.5] * len(r) for i, r in enumerate(responses)]
     return make_micro_batch(
@@ -33,6 +37,7 @@ def _micro_batch():
         [[1] * len(r) for r in responses],
         pad_token_id=0,
         extras={"advantages": advantages},
+        share_prompts=share_prompts,
     )
 
 
@@ -84,8 +89,10 @@ def backends():
     )
 
 
-def test_checkpointing_gives_the_same_loss_and_gradients(backends):
-    mb = _micro_batch()
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_checkpointing_gives_the_same_loss_and_gradients(backends, share_prompts):
+    mb = _micro_batch(share_prompts)
+    assert (mb.shared is not None) == share_prompts
     results = []
     for backend in backends:
         backend.optimizer.zero_grad(set_to_none=True)
@@ -125,6 +132,26 @@ def gloo_group():
     )
     yield
     dist.destroy_process_group()
+
+
+def test_checkpointing_on_the_packed_shared_prompt_path():
+    """Under float32 attention (model.matmul_dtype) rows sharing a prompt run packed in one pass,
+    which needs no KV cache: checkpointing keeps that path and its gradients."""
+    from relax_core.models.attention import use_float32_attention
+    from relax_core.train.shared_prompts import runs_shared
+
+    plain = _policy()
+    use_float32_attention(plain)
+    recomputing = copy.deepcopy(plain)
+    mb = _micro_batch(share_prompts=True)
+    grads = []
+    for model, ckpt in ((plain, False), (recomputing, True)):
+        backend = build_backend(model, TrainConfig(), 1.0, activation_checkpointing=ckpt)
+        assert runs_shared(model, mb)
+        backend.accumulate_gradients([mb], _loss, mb.num_seqs)
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)
 
 
 def test_fsdp2_checkpointing_gives_the_same_loss_and_gradients(gloo_group):
