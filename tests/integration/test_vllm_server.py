@@ -142,11 +142,22 @@ def running_requests(url: str) -> float:
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
 
 
+class _NoEOS(ServerClient):
+    """Generation that ignores EOS (vLLM's `ignore_eos`), so every sample runs its whole budget
+    and requests are still in flight when the update comes, however early the policy would
+    stop."""
+
+    def post(self, path, body=None, timeout_s=None):
+        if path == "/inference/v1/generate":
+            body = {**body, "sampling_params": {**body["sampling_params"], "ignore_eos": True}}
+        return super().post(path, body, timeout_s)
+
+
 def update_in_flight(served, mode: str, sender_class=VLLMSender):
-    """Generate 32 long samples (up to 240 tokens of the 256 the server allots) and push a new
+    """Generate 32 long samples (240 tokens of the 256 the server allots) and push a new
     version while they run; returns (completions,
     the old and new weights, the new version, the engine)."""
-    engine = VLLMEngine(served["client"], pause_mode=mode)
+    engine = VLLMEngine(_NoEOS(served["client"].url), pause_mode=mode)
     engine.refresh_version()
     old, new = served["model"], policy(served["version"] + 21)
     prompts = [[1, 4 + k % 40, 5 + k % 30, 6] for k in range(32)]

@@ -321,6 +321,8 @@ def test_shipped_configs_name_an_accelerator_exactly_when_they_need_gpus():
             cfg.rollout.engine == "sglang"
             or cfg.train.backend in ("fsdp", "megatron")
             or cfg.services.sync_backend == "nccl"
+            # a vLLM server spread over several devices: tensor parallel over GPUs
+            or (cfg.rollout.engine == "vllm" and "--tensor-parallel-size" in cfg.vllm.extra_args)
         )
         assert bool(cfg.services.accelerator) == gpu_only, path
 
