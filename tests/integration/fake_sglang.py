@@ -17,7 +17,22 @@ Scheduling rules copied from the pinned source (facts, not code):
   queue, keeping the tokens generated so far (Req.reset_for_retract keeps output_ids); after
   `/continue_generation` they are prefilled again (prompt + output so far, under the weights then
   held) and finish, the HTTP request never fails, and `meta_info.num_retractions` counts it;
-  `abort` is modelled as waiting for running requests to end;
+  `abort` (TokenizerManager.pause_generation: abort_request(abort_all=True), repeated until
+  no request holds the model) ends every request at once: a running one answers the tokens it
+  has with `finish_reason {"type": "abort", "message": "Aborted"}` (FINISH_ABORT), a waiting
+  one answers none ("Abort in waiting queue": _handle_abort_req); the call returns once none
+  is left; requests that arrive while paused wait for continue (is_pause_cond);
+- `/health` and `/health_generate` run a one-token generation and answer no sooner than a
+  second (health_generate sleeps 1 s before it looks for an answer; `--health-s` here), 503
+  when none came, as while paused; `/ready` answers at once: 200 when warmed up and not paused
+  (TokenizerManager.is_ready), else 503;
+- a prompt of `context_len` tokens or more, or a prompt plus `max_new_tokens` over it, refuses
+  the whole `/generate` call with HTTP 400 and SGLang's text
+  (TokenizerManager._validate_one_request); context_len is `--context-length`, else the
+  model's `max_position_embeddings` (hf_transformers/common.get_context_length);
+- `/get_model_info` and `/get_server_info` answer as `/model_info` and `/server_info` and log
+  a deprecation WARNING on every call (recorded as a `deprecated` event here);
+- the prefix cache and `/flush_cache`: fake_sglang_cache.py;
 - an MoE policy serves `return_routed_experts` (base64 int32 [prompt + output - 1, layers,
   top_k]); a dense one refuses it, as a server without `--enable-return-routed-experts`;
 - with `--api-key` every request but /health* needs `Authorization: Bearer <key>`
@@ -27,8 +42,10 @@ LoRA (`--enable-lora`, adapters loaded by name, `lora_path` on /generate, `GET /
 fake_sglang_lora.py, with the rules it copies.
 
 Test-only endpoints: `GET /relax_test/events` (generate start/end with the weight version, retract,
-update begin/end, pause, continue), `GET /relax_test/digest` (sha256 of every parameter's bytes)
-and `GET /relax_test/loaded` (every weight name sent: consumed or ignored by load_weights).
+update begin/end, pause, continue, abort, flush, stale_kv, deprecated), `GET /relax_test/digest`
+(sha256 of every parameter's bytes), `GET /relax_test/loaded` (every weight name sent: consumed
+or ignored by load_weights) and `GET /relax_test/pid` (the process serving the port: a test
+kills it to restart the server, fake_sglang_fleet.py).
 """
 
 from __future__ import annotations
@@ -41,7 +58,6 @@ import json
 import os
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import torch
@@ -49,49 +65,30 @@ import torch
 from relax_core.models.routing_replay import attach_routing_replay
 from relax_core.rollout.engine import SamplingParams
 from relax_core.rollout.torch_engine import TorchEngine
+from tests.integration.fake_sglang_cache import Flusher, PrefixCache
+from tests.integration.fake_sglang_fleet import run_fleet
+from tests.integration.fake_sglang_http import BadRequest, serve
 from tests.integration.fake_sglang_lora import FakeLoRA
-from tests.integration.fake_sglang_weights import FakeWeights, ServerError
+from tests.integration.fake_sglang_weights import FakeWeights
 
-BASE = {"rid", "http_worker_ipc"}  # every control request's BaseReq fields (io_struct.py)
-UPDATE = {"flush_cache", "abort_all_requests", "weight_version", "selector", "torch_empty_cache"}
-REQUIRED = {
-    "/generate": (
-        {"input_ids", "sampling_params"},
-        {"return_logprob", "stream", "rid", "return_routed_experts", "lora_path"},
-    ),
-    "/init_weights_update_group": (
-        {"master_address", "master_port", "rank_offset", "world_size"},
-        {"group_name", "backend"},
-    ),
-    "/update_weights_from_distributed": (
-        {"names", "dtypes", "shapes"},
-        {"group_name", "load_format", *UPDATE},
-    ),
-    "/update_weights_from_tensor": ({"serialized_named_tensors"}, {"load_format", *UPDATE}),
-    "/begin_weight_update": (set(), {"selector"}),
-    "/end_weight_update": (set(), set()),
-    "/destroy_weights_update_group": (set(), {"group_name"}),
-    "/pause_generation": (set(), {"mode"}),
-    "/continue_generation": (set(), {"torch_empty_cache"}),
-    "/flush_cache": (set(), set()),
-    "/update_weights_from_disk": (
-        {"model_path"},
-        {"load_format", "keep_pause", "recapture_cuda_graph", "token_step", "is_async", *UPDATE},
-    ),
-    "/release_memory_occupation": (set(), {"tags"}),
-    "/resume_memory_occupation": (set(), {"tags"}),
-    "/load_lora_adapter_from_tensors": (
-        {"lora_name", "config_dict", "serialized_named_tensors"},
-        {"pinned", "added_tokens_config", "lora_id", "load_format", "expected_checksums"},
-    ),
-    "/unload_lora_adapter": ({"lora_name"}, {"lora_id"}),
-}
 MEMORY_TAGS = {"weights", "kv_cache", "cuda_graph"}
 SAMPLING = {"max_new_tokens", "temperature", "top_p", "skip_special_tokens", "stop_token_ids"}
 
 
-class BadRequest(Exception):
-    pass
+def aborted(body: dict, version: str) -> dict:
+    """The answer of a request aborted in the waiting queue (TokenizerManager._handle_abort_req)."""
+    meta = {
+        "id": "aborted",
+        "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+        "weight_version": version,
+    }
+    if body.get("return_logprob"):
+        meta["output_token_logprobs"] = []
+    return {"text": "", "output_ids": [], "meta_info": meta}
+
+
+def _answers(single: bool, out: list) -> list | dict:
+    return out[0] if single else out
 
 
 class FakeSGLang:
@@ -109,6 +106,8 @@ class FakeSGLang:
         warmup_s: float = 0.0,
         lora: dict | None = None,
         warmup_until: str = "",
+        context_length: int | None = None,
+        health_s: float = 1.0,
     ) -> None:
         self.moe = bool(getattr(model.config, "num_experts", 0))
         if self.moe:
@@ -139,6 +138,14 @@ class FakeSGLang:
         self.weights = FakeWeights(self, tp_size, dp_size)
         self.lora = FakeLoRA(self, **(lora or {}))
         self.served_model = "fake"
+        self.context_arg = context_length
+        """--context-length as launched (None: the model's)."""
+        self.context_len = context_length or int(model.config.max_position_embeddings)
+        self.health_s = health_s
+        self.aborts = 0
+        """Abort-all rounds so far: a request admitted before the latest one is aborted."""
+        self.cache = PrefixCache()
+        self.flusher = Flusher(self)
 
     def event(self, *what) -> None:
         with self.cond:
@@ -182,10 +189,15 @@ class FakeSGLang:
         """TorchEngine calls this between decode steps of the request holding the model: where
         SGLang's scheduler loop takes a pause. True when the KV cache must be rebuilt (retract)."""
         self.local.tokens += 1
+        if self.local.epoch != self.aborts:  # aborted: the answer ends at the tokens it has
+            if self.local.cut is None:
+                self.local.cut = self.local.tokens
+                self.event("abort", self.local.tokens)
+            return False
         time.sleep(self.step_delay_s)
         with self.cond:
             mode = self.paused
-            if not mode:
+            if mode in ("", "abort"):
                 return False
             if mode == "retract":
                 self.running, self.waiting = self.running - 1, self.waiting + 1
@@ -218,46 +230,109 @@ class FakeSGLang:
         )
         if self.released:
             raise BadRequest(f"generate while memory is released ({sorted(self.released)})")
+        with self.cond:  # TokenizerManager: requests wait here while paused, then validate
+            while self.paused:
+                self.cond.wait()
+        for prompt in prompts:
+            self._validate(len(prompt), params.max_new_tokens)
         adapters = self.lora.acquire(body.get("lora_path"), len(prompts))
-        self.local.tokens, self.local.retractions = 0, 0
+        self.local.tokens, self.local.retractions, self.local.cut = 0, 0, None
         try:
-            with self.cond:  # queued until generation runs and the model is free
-                self.waiting += 1
-                self._take_model()
-                self.waiting, self.running = self.waiting - 1, self.running + 1
+            if not self._admit():
+                return _answers(single, [aborted(body, self.weight_version)] * len(prompts))
             try:
                 self.event("generate_start", self.weight_version)
                 if any(adapters):
                     self.event("lora_generate", sorted({a.name for a in adapters if a}))
+                cached = [self._cached(p, a) for p, a in zip(prompts, adapters, strict=True)]
+                first = self.weight_version
                 time.sleep(self.generate_delay_s)
                 completions = self._generate_with(prompts, params, adapters)
                 version = self.weight_version
+                for prompt, c, adapter in zip(prompts, completions, adapters, strict=True):
+                    if not adapter:  # a finished request leaves its tokens in the cache
+                        self.cache.insert(prompt + c.response_ids, first)
                 self.event("generate_end", version)
             finally:
                 with self.cond:
                     self.running -= 1
                     self._give_model()
+                    self.flusher.check_pending()
         finally:
             self.lora.release(adapters)
-        out = []
-        for i, c in enumerate(completions):
-            meta = {
-                "id": f"req-{i}",
-                "finish_reason": {"type": c.finish_reason},
-                "prompt_tokens": len(prompts[i]),
-                "completion_tokens": len(c.response_ids),
-                "weight_version": version,
-                "num_retractions": self.local.retractions,
-            }
-            if body.get("return_logprob"):
-                meta["output_token_logprobs"] = [
-                    [lp, t, None] for lp, t in zip(c.logprobs, c.response_ids, strict=True)
-                ]
-            if body.get("return_routed_experts"):
-                experts = np.asarray(c.routed_experts, dtype=np.int32)
-                meta["routed_experts"] = base64.b64encode(experts.tobytes()).decode("utf-8")
-            out.append({"text": "", "output_ids": c.response_ids, "meta_info": meta})
-        return out[0] if single else out
+        out = [
+            self._answer(body, c, len(prompts[i]), cached[i], version, i)
+            for i, c in enumerate(completions)
+        ]
+        return _answers(single, out)
+
+    def _validate(self, input_tokens: int, max_new_tokens: int) -> None:
+        """SGLang's context checks (TokenizerManager._validate_one_request), its words."""
+        if input_tokens >= self.context_len:
+            raise BadRequest(
+                f"The input ({input_tokens} tokens) is longer than the model's context "
+                f"length ({self.context_len} tokens)."
+            )
+        total = input_tokens + max_new_tokens
+        if total > self.context_len:
+            raise BadRequest(
+                "Requested token count exceeds the model's maximum context length of "
+                f"{self.context_len} tokens. You requested a total of {total} tokens: "
+                f"{input_tokens} tokens from the input messages and {max_new_tokens} tokens "
+                "for the completion. Please reduce the number of tokens in the input messages "
+                "or the completion to fit within the limit."
+            )
+
+    def _admit(self) -> bool:
+        """Queue until the model is free and take it; False when an abort-all came first."""
+        with self.cond:
+            self.local.epoch = self.aborts
+            self.waiting += 1
+            while (self.paused or self.busy) and self.local.epoch == self.aborts:
+                self.cond.wait()
+            if self.local.epoch != self.aborts:
+                self.waiting -= 1
+                self.cond.notify_all()
+                return False
+            self.busy = True
+            self.waiting, self.running = self.waiting - 1, self.running + 1
+            return True
+
+    def _cached(self, prompt: list[int], adapter) -> int:
+        """Prompt tokens served from the prefix cache; KV of other weights is recorded."""
+        if adapter:
+            return 0
+        tokens, version = self.cache.match(prompt)
+        if tokens and version != self.weight_version:
+            self.event("stale_kv", tokens, version, self.weight_version)
+        return tokens
+
+    def _answer(self, body: dict, c, prompt_len: int, cached: int, version: str, i: int) -> dict:
+        ids, logprobs, experts = c.response_ids, c.logprobs, c.routed_experts
+        finish = {"type": c.finish_reason}
+        cut = self.local.cut
+        if cut is not None and len(ids) > cut:  # aborted mid-way: the tokens it had
+            ids, logprobs = ids[:cut], logprobs[:cut]
+            experts = experts[: prompt_len + cut - 1] if experts is not None else None
+            finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+        meta = {
+            "id": f"req-{i}",
+            "finish_reason": finish,
+            "prompt_tokens": prompt_len,
+            "completion_tokens": len(ids),
+            "cached_tokens": cached,
+            "weight_version": version,
+            "num_retractions": self.local.retractions,
+        }
+        if body.get("return_logprob"):
+            meta["output_token_logprobs"] = [
+                [lp, t, None] for lp, t in zip(logprobs, ids, strict=True)
+            ]
+        if body.get("return_routed_experts"):
+            meta["routed_experts"] = base64.b64encode(
+                np.asarray(experts, dtype=np.int32).tobytes()
+            ).decode("utf-8")
+        return {"text": "", "output_ids": ids, "meta_info": meta}
 
     def _generate_with(self, prompts: list, params: SamplingParams, adapters: list) -> list:
         """Each adapter's prompts together, under it (SGLang batches requests of at most
@@ -276,7 +351,9 @@ class FakeSGLang:
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest(f"Invalid mode: {mode!r}")
         with self.cond:
-            if mode == "abort":  # running requests end first (here: finish)
+            if mode == "abort":  # every request ends now, with what it has
+                self.aborts += 1
+                self.cond.notify_all()
                 while self.waiting or self.running:
                     self.cond.wait()
             self.paused = mode
@@ -302,6 +379,8 @@ class FakeSGLang:
             if not self.idle_for_flush():
                 raise BadRequest("release_memory_occupation should be called only when idle")
             self.released |= tags
+            if "kv_cache" in tags:
+                self.cache.reset()
         self.event("release", sorted(tags))
         return {"success": True, "message": "released"}
 
@@ -318,7 +397,14 @@ class FakeSGLang:
         return not self.warmup_until or os.path.exists(self.warmup_until)
 
     def server_info(self) -> dict:
-        return {"tp_size": self.tp_size, "dp_size": self.dp_size, "pp_size": 1}
+        return {
+            "tp_size": self.tp_size,
+            "dp_size": self.dp_size,
+            "pp_size": 1,
+            "context_length": self.context_arg,
+            "max_req_input_len": self.context_len - 6,
+            "version": "0.5.23",
+        }
 
     def digest(self) -> dict:
         with self.model_held():
@@ -328,109 +414,6 @@ class FakeSGLang:
                 ).hexdigest()
                 for n, p in self.model.named_parameters()
             }
-
-
-# Endpoints whose failure SGLang answers with HTTP 400 {"success": false, "message"}.
-FAIL_400 = {
-    "/init_weights_update_group",
-    "/destroy_weights_update_group",
-    "/update_weights_from_distributed",
-    "/update_weights_from_tensor",
-    "/update_weights_from_disk",
-    "/begin_weight_update",
-    "/end_weight_update",
-    "/load_lora_adapter_from_tensors",
-    "/unload_lora_adapter",
-}
-
-
-def serve(state: FakeSGLang, port: int, api_key: str = "") -> ThreadingHTTPServer:
-    w = state.weights
-    posts = {
-        "/generate": state.generate,
-        "/init_weights_update_group": w.init_group,
-        "/update_weights_from_distributed": w.update_distributed,
-        "/update_weights_from_tensor": w.update_tensor,
-        "/begin_weight_update": w.begin,
-        "/end_weight_update": w.end,
-        "/destroy_weights_update_group": w.destroy_group,
-        "/pause_generation": state.pause,
-        "/continue_generation": state.resume,
-        "/flush_cache": lambda body: {"success": True, "message": ""},
-        "/update_weights_from_disk": w.update_disk,
-        "/release_memory_occupation": state.release,
-        "/resume_memory_occupation": state.resume_memory,
-        "/load_lora_adapter_from_tensors": state.lora.load_from_tensors,
-        "/unload_lora_adapter": state.lora.unload,
-    }
-
-    class Handler(BaseHTTPRequestHandler):
-        def _send(self, code: int, payload) -> None:
-            raw = b"" if payload is None else json.dumps(payload).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
-
-        def _refused(self) -> bool:
-            """SGLang's rule with --api-key: the key on everything but /health*."""
-            allowed = self.headers.get("Authorization") == f"Bearer {api_key}"
-            if not api_key or allowed or self.path.startswith("/health"):
-                return False
-            self._send(401, {"error": "Unauthorized"})
-            return True
-
-        def do_GET(self):
-            if self._refused():
-                return
-            if self.path in ("/health", "/health_generate", "/ready"):
-                return self._send(200 if state.warm() else 503, None)
-            gets = {
-                "/get_model_info": lambda: {
-                    "model_path": "fake",
-                    "is_generation": True,
-                    "weight_version": state.weight_version,
-                },
-                "/get_server_info": state.server_info,
-                "/v1/models": lambda: state.lora.models(state.served_model),
-                "/server_info": state.server_info,
-                "/relax_test/events": lambda: state.events,
-                "/relax_test/digest": state.digest,
-                "/relax_test/loaded": w.loaded,
-            }
-            if self.path not in gets:
-                return self._send(404, {"detail": "Not Found"})
-            self._send(200, gets[self.path]())
-
-        def do_POST(self):
-            if self._refused():
-                return
-            if self.path not in posts:
-                return self._send(404, {"detail": "Not Found"})
-            try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                required, optional = REQUIRED[self.path]
-                if not isinstance(body, dict):
-                    raise BadRequest("the body must be a JSON object")
-                if missing := required - set(body):
-                    raise BadRequest(f"missing field(s) {sorted(missing)}")
-                if unknown := set(body) - required - optional - BASE:
-                    raise BadRequest(f"unknown field(s) {sorted(unknown)}")
-                answer = posts[self.path](body)
-            except ServerError as err:
-                return self._send(500, {"error": {"message": f"AssertionError: {err}"}})
-            except (BadRequest, ValueError, KeyError, TypeError) as err:
-                return self._send(400, {"error": {"message": str(err)}})
-            failed = isinstance(answer, dict) and answer.get("success") is False
-            self._send(400 if failed and self.path in FAIL_400 else 200, answer)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    server.daemon_threads = True
-    return server
 
 
 def main() -> None:
@@ -451,6 +434,9 @@ def main() -> None:
     p.add_argument("--max-lora-rank", type=int)
     p.add_argument("--lora-target-modules", nargs="*")
     p.add_argument("--max-loras-per-batch", type=int, default=8)
+    p.add_argument("--context-length", type=int, help="else: the model's")
+    p.add_argument("--health-s", type=float, default=1.0, help="how long /health takes")
+    p.add_argument("--more-ports", type=int, nargs="*", help="a server on each (forked)")
     a = p.parse_args()
     torch.set_num_threads(1)
     if a.checkpoint:
@@ -468,26 +454,35 @@ def main() -> None:
         from tests.integration.weight_sync_actors import tiny_policy
 
         model, tok = tiny_policy(a.tiny_seed)
-    state = FakeSGLang(
-        model.to(a.device),
-        tok.eos_token_id,
-        tok.pad_token_id,
-        a.generate_delay_s,
-        a.step_delay_s,
-        a.tp_size,
-        a.dp_size,
-        a.warmup_s,
-        lora={
-            "enabled": a.enable_lora,
-            "max_rank": a.max_lora_rank,
-            "targets": a.lora_target_modules,
-            "max_per_batch": a.max_loras_per_batch,
-        },
-        warmup_until=a.warmup_until,
-    )
-    state.weight_version = a.weight_version
-    state.served_model = a.checkpoint or "fake"
-    serve(state, a.port, a.api_key).serve_forever()
+    model = model.to(a.device)
+
+    def serve_one(port: int) -> None:
+        state = FakeSGLang(
+            model,
+            tok.eos_token_id,
+            tok.pad_token_id,
+            a.generate_delay_s,
+            a.step_delay_s,
+            a.tp_size,
+            a.dp_size,
+            a.warmup_s,
+            lora={
+                "enabled": a.enable_lora,
+                "max_rank": a.max_lora_rank,
+                "targets": a.lora_target_modules,
+                "max_per_batch": a.max_loras_per_batch,
+            },
+            warmup_until=a.warmup_until,
+            context_length=a.context_length,
+            health_s=a.health_s,
+        )
+        state.weight_version = a.weight_version
+        state.served_model = a.checkpoint or "fake"
+        serve(state, port, a.api_key).serve_forever()
+
+    if a.more_ports:
+        run_fleet([a.port, *a.more_ports], serve_one)
+    serve_one(a.port)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ Rules copied from SGLang 0.5.23 (facts, not code):
   (fake_sglang_ranks.py);
 - loading follows the model's `load_weights` (fake_sglang_models.py): names it skips are
   answered with success and recorded as ignored (`GET /relax_test/loaded`);
-- a loaded update flushes the cache only when the scheduler is idle, else the call fails
-  (flush_cache_after_weight_update -> Scheduler.flush_cache -> is_fully_idle);
+- a loaded update flushes the cache (fake_sglang_cache.py) only when the scheduler is idle,
+  else the call fails (flush_cache_after_weight_update -> Scheduler.flush_cache ->
+  is_fully_idle); with `flush_cache: false` the cache keeps the older weights' KV;
 - `update_weights_from_tensor`: `serialized_named_tensors` holds one base64 payload per TP rank,
   each rank reads its own (TpModelWorker.deserialize_own_rank); a payload is
   MultiprocessingSerializer bytes that SGLang loads with an allow-list unpickler (SafeUnpickler,
@@ -269,13 +270,15 @@ class FakeWeights:
             if body.get("weight_version") is not None:
                 self.scheduler.weight_version = str(body["weight_version"])
         self.scheduler.event("update_end", self.scheduler.weight_version)
-        if body.get("flush_cache", True) and not flushable:
-            return {
-                "success": False,
-                "message": "Weights were updated, but the cache was not flushed because "
-                "requests are still running or queued. Retract or finish them, then call "
-                "/flush_cache.",
-            }
+        if body.get("flush_cache", True):
+            if not flushable:
+                return {
+                    "success": False,
+                    "message": "Weights were updated, but the cache was not flushed because "
+                    "requests are still running or queued. Retract or finish them, then call "
+                    "/flush_cache.",
+                }
+            self.scheduler.cache.reset()
         return {"success": True, "message": "Succeeded to update parameter online."}
 
     def _load(self, named: list[tuple[str, torch.Tensor]]) -> str:

@@ -146,7 +146,7 @@ def test_engines_scale_out_register_and_drain_mid_run_and_no_group_is_lost(small
         assert pool["rollout-1"]["state"] == "active" and "url" not in pool["rollout-1"]
         for worker in asked_at:
             _wait(f"{worker}'s groups", lambda w=worker: len(_entries_of(queue, w)) >= 3, proc)
-        served = int(sglang.get("/get_model_info")["weight_version"])
+        served = int(sglang.get("/model_info")["weight_version"])
         assert served >= asked_at["rollout-2"]  # the trainer's weights, not its launch weights
         kinds = [e[1] for e in sglang.get("/relax_test/events")]
         assert kinds.count("update_end") >= 2 and kinds.count("generate_end") >= 3

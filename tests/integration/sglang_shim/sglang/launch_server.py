@@ -5,7 +5,8 @@ line is checked as well: unknown flags are an error, as with SGLang's own argume
 `--tp-size N` gives the server N ranks in the weight group (fake_sglang_ranks.py); `--dp-size`
 makes it refuse weight groups, as SGLang 0.5.23 does with data-parallel replicas; the LoRA flags
 (`--enable-lora`, `--max-lora-rank`, `--lora-target-modules` with SGLang's choices,
-`--max-loras-per-batch`) go to its LoRA side (fake_sglang_lora.py). Test knobs come
+`--max-loras-per-batch`) go to its LoRA side (fake_sglang_lora.py); `--context-length` bounds
+prompt plus max_new_tokens. Test knobs come
 from the environment: RELAX_TEST_SGLANG_DELAY_S (per request), RELAX_TEST_SGLANG_STEP_DELAY_S
 (per decode step), RELAX_TEST_SGLANG_WARMUP_S (how long /health answers 503 after start).
 """
@@ -36,6 +37,7 @@ def main() -> None:
     p.add_argument("--max-lora-rank", type=int)
     p.add_argument("--lora-target-modules", nargs="*", choices=[*SUPPORTED, "all"])
     p.add_argument("--max-loras-per-batch", type=int, default=8)
+    p.add_argument("--context-length", type=int)
     a = p.parse_args()
     record = os.environ.get("RELAX_TEST_SGLANG_ARGV")
     if record:
@@ -71,6 +73,8 @@ def main() -> None:
         sys.argv += ["--max-lora-rank", str(a.max_lora_rank)]
     if a.lora_target_modules:
         sys.argv += ["--lora-target-modules", *a.lora_target_modules]
+    if a.context_length is not None:
+        sys.argv += ["--context-length", str(a.context_length)]
     fake_sglang.main()
 
 
