@@ -11,6 +11,7 @@ import re
 
 from relax_core.config.checks_algorithm import check_algorithm
 from relax_core.config.checks_gpu import check_gpu_stacks
+from relax_core.config.checks_sglang import check_sglang_context
 from relax_core.config.checks_sglang_lora import check_sglang_lora
 from relax_core.config.rules import choice, positive
 from relax_core.config.sections import RewardConfig, RunSections
@@ -285,6 +286,8 @@ def validate(cfg: RunSections) -> list[str]:
         from relax_core.config.checks_vllm import check_vllm
 
         check_vllm(e, cfg, m.kind if MODALITIES.get(m.kind) else None)
+    if r.engine == "sglang":
+        check_sglang_context(e, cfg)
     if r.engine == "sglang" and MODALITIES.get(m.kind):
         e.append(
             f"rollout.engine: 'sglang' sends text token ids; a {m.kind} policy's media "

@@ -5,7 +5,7 @@
   applied between generate calls, or between decode steps with partial rollouts.
 - `ServedWeights`: an SGLang server this process drives over HTTP. The trainer sends the server
   its weights itself (SGLang's weight group); here the served version is only read back, from
-  every answer and, before admitting work, from `/get_model_info` (admission under the
+  every answer and, before admitting work, from `/model_info` (admission under the
   staleness bound needs the version the server holds now).
 
 Both: `apply_pending()` (True when the engine's version moved), `wait(timeout)` (until news may

@@ -33,12 +33,14 @@ def served_engine(ctx, url: str):
         engine = served_engine(url, ctx.cfg)
     else:
         from relax_core.rollout.sglang_lora import load_checkpoint_adapter
+        from relax_core.rollout.sglang_server import served_context
 
         engine = SGLangEngine(
             SGLangClient(url, timeout_s=ctx.cfg.services.start_timeout_s),
             ctx.cfg.sglang.pause_mode,
             routed_experts=ctx.cfg.train.routing_replay,
             lora=lora,
+            context_len=served_context(ctx.checkpoint, ctx.cfg.sglang.extra_args),
         )
     if lora:  # the server has the base; the policy is the checkpoint's adapter until updated
         from relax_core.train.checkpoint import read_state

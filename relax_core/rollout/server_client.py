@@ -70,15 +70,16 @@ def wait_healthy(
     timeout_s: float,
     proc: subprocess.Popen | None = None,
     what: str = "SGLang server",
+    path: str = "/health",
 ) -> None:
-    """Poll `/health` until the server answers; ServerError naming the cause otherwise."""
+    """Poll `path` until the server answers 200; ServerError naming the cause otherwise."""
     deadline = time.monotonic() + timeout_s
     last = ""
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise ServerError(f"{what} for {client.url} exited with code {proc.returncode}")
         try:
-            client.get("/health", timeout_s=5.0)
+            client.get(path, timeout_s=5.0)
             return
         except ServerError as err:
             last = str(err)

@@ -10,7 +10,11 @@ this side only speaks HTTP:
   [len(prompt) + len(output) - 1, num_hidden_layers, num_experts_per_tok], C order: the experts
   every token but the last was routed to (SGLang: layers/moe/routed_experts_capturer.py reads
   `seqlen - 1` tokens; managers/detokenizer_manager.py encodes `.numpy().tobytes()`).
-- `GET /health`, `GET /get_model_info` (weight_version), `GET /get_server_info` (tp_size).
+- `GET /model_info` (weight_version) and `GET /server_info` (tp_size, dp_size, context_length);
+  0.5.23 still answers `/get_model_info` and `/get_server_info` but logs a deprecation WARNING
+  on every call, and the rollout polls the version every 20 ms. `GET /health` runs a one-token
+  generation (a second at least, 503 while paused): a liveness check reads `/model_info`, a
+  wait for start-up polls `/ready`.
 - `POST /pause_generation {"mode"}`, `POST /continue_generation`, `POST /flush_cache`,
   `POST /release_memory_occupation` / `/resume_memory_occupation` (colocate on one GPU).
 - Weights reach the server through the trainer's own process group (sync/sglang.py drives
@@ -20,6 +24,13 @@ this side only speaks HTTP:
   adapter loaded by name, `policy-v{N}` (rollout/sglang_lora.py). `GET /v1/models` lists the
   loaded adapters; the engine serves the newest, passing its name as `lora_path`, and that name
   is the version of everything the request generates (the server's weight_version is the base's).
+
+A `/generate` call is all or nothing: one prompt whose length plus `max_new_tokens` passes the
+server's context refuses the whole batch, so the engine refuses such a batch before sending it,
+naming `rollout.max_new_tokens` and the context. A completion cut by an abort (`pause_mode:
+abort` answers every running request with the tokens it had, finish_reason 'abort') is never
+returned as a sample: the engine asks for it again, as the vLLM engine does. The socket waits
+for a whole generation, so its timeout grows with the tokens asked for.
 
 The policy version of a completion: the server reports the weight version that ended it; the
 version the engine held when the request went out is its first token's. When they differ, a
@@ -44,6 +55,12 @@ from relax_core.rollout.server_client import ServerClient
 from relax_core.rollout.server_client import ServerError as SGLangError
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+MAX_ABORT_RETRIES = 8
+"""An aborted sample is asked for again at most this many times in one generate call (an abort
+comes from a weight update or a draining server, each of which ends)."""
+MIN_TOKENS_PER_S = 50.0
+"""A floor on a server's decode rate over a whole batch: a `/generate` call is given the client's
+timeout plus its tokens at this rate before its socket gives up."""
 API_KEY_ENV = "RELAX_SGLANG_API_KEY"
 ADAPTER_PREFIX = "policy-v"
 """A LoRA policy's version N is the adapter named `policy-v{N}` on a server (an adapter name
@@ -89,6 +106,7 @@ class SGLangEngine:
         pause_mode: str = "in_place",
         routed_experts: bool = False,
         lora: bool = False,
+        context_len: int | None = None,
     ) -> None:
         if pause_mode not in ("abort", "retract", "in_place"):
             raise ValueError(
@@ -104,6 +122,11 @@ class SGLangEngine:
         """The newest policy version the server reported (-1: still its launch weights)."""
         self.adapter: str | None = None
         """LoRA: the adapter requests name (`policy-v{version}`); None until one is loaded."""
+        self._context = context_len
+        """Tokens a request may hold, prompt and output (None: ask the server)."""
+        self._context_asked = False
+        self.aborted_retries = 0
+        """Samples asked for again after an abort, over this engine's life."""
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, media: list | None = None
@@ -117,6 +140,27 @@ class SGLangEngine:
             return []
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        self._check_context(prompts, params)
+        out: list[Completion | None] = [None] * len(prompts)
+        todo = list(range(len(prompts)))
+        for _ in range(MAX_ABORT_RETRIES + 1):
+            done = self._generate_once([prompts[i] for i in todo], params)
+            aborted = []
+            for i, completion in zip(todo, done, strict=True):
+                if completion.finish_reason == "abort":
+                    aborted.append(i)
+                else:
+                    out[i] = completion
+            if not aborted:
+                return [c for c in out if c is not None]
+            self.aborted_retries += len(aborted)
+            todo = aborted
+        raise SGLangError(
+            f"{self.client.url}: {len(todo)} samples aborted {MAX_ABORT_RETRIES + 1} times in a "
+            "row; is the server being paused with mode 'abort' without end?"
+        )
+
+    def _generate_once(self, prompts: list[list[int]], params: SamplingParams) -> list:
         first = self.version
         body = {
             "input_ids": prompts,
@@ -128,9 +172,16 @@ class SGLangEngine:
         if self.lora:
             body["lora_path"] = self._adapter_to_serve()
             first = self.version  # the adapter's
+        timeout = self.client.timeout_s + len(prompts) * params.max_new_tokens / MIN_TOKENS_PER_S
         try:
-            answers = self.client.post("/generate", body)
+            answers = self.client.post("/generate", body, timeout_s=timeout)
         except SGLangError as err:
+            if "context length" in str(err):
+                raise SGLangError(
+                    f"rollout.max_new_tokens {params.max_new_tokens} plus a prompt of "
+                    f"{max(len(p) for p in prompts)} tokens does not fit the model's context: "
+                    f"{err}"
+                ) from err
             if not self.lora or body["lora_path"] not in str(err):
                 raise
             # The trainer unloaded this adapter after we chose it (it moved on): SGLang refuses
@@ -138,7 +189,7 @@ class SGLangEngine:
             self.refresh_version()
             if self.adapter == body["lora_path"]:
                 raise
-            return self.generate(prompts, params, media)
+            return self._generate_once(prompts, params)
         if isinstance(answers, dict):
             answers = [answers]
         if not isinstance(answers, list) or len(answers) != len(prompts):
@@ -146,8 +197,35 @@ class SGLangEngine:
             raise SGLangError(
                 f"{self.client.url}/generate answered {got} results for {len(prompts)} prompts"
             )
-        out = [self._completion(a, first, i, len(prompts[i])) for i, a in enumerate(answers)]
-        return out
+        return [self._completion(a, first, i, len(prompts[i])) for i, a in enumerate(answers)]
+
+    def context(self) -> int | None:
+        """Tokens one request may hold (prompt + output): as given, else the server's
+        `--context-length` (`/server_info`); None when neither says (or the server does not
+        answer: then `/generate` says why)."""
+        if self._context is None and not self._context_asked:
+            try:
+                info = self.client.get("/server_info")
+            except SGLangError:
+                return None
+            self._context_asked = True
+            value = info.get("context_length") if isinstance(info, dict) else None
+            self._context = int(value) if isinstance(value, int) and value > 0 else None
+        return self._context
+
+    def _check_context(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """SGLang refuses a whole `/generate` call when one prompt plus max_new_tokens passes
+        its context: refuse it here, before sending, naming the setting."""
+        longest = max(len(p) for p in prompts)
+        context = self.context()
+        if context is not None and longest + params.max_new_tokens > context:
+            raise SGLangError(
+                f"a prompt of {longest} tokens plus rollout.max_new_tokens "
+                f"{params.max_new_tokens} does not fit the model's context of {context} tokens "
+                f"({self.client.url}): SGLang refuses the whole batch; lower "
+                "rollout.max_new_tokens, shorten the prompts, or serve a longer context "
+                "(--context-length in sglang.extra_args, where the model allows it)"
+            )
 
     def _completion(self, answer: Any, first: int, i: int, prompt_len: int) -> Completion:
         try:
@@ -193,7 +271,7 @@ class SGLangEngine:
             if held:
                 self.use_adapter(max(held))
             return self.version
-        info = self.client.get("/get_model_info")
+        info = self.client.get("/model_info")
         served = parse_version(info.get("weight_version") if isinstance(info, dict) else None)
         if served is not None:
             self.version = served
@@ -233,8 +311,9 @@ class SGLangEngine:
         self.client.post_ok("/resume_memory_occupation", {"tags": list(tags) if tags else None})
 
     def health(self) -> dict[str, object]:
+        """Alive when the server answers `/model_info` (SGLang's /health generates a token: a
+        second at least, and 503 while paused for a weight update)."""
         try:
-            self.client.get("/health", timeout_s=10.0)
             version = self.refresh_version()
         except SGLangError as err:
             return {"alive": False, "url": self.client.url, "error": str(err)}
@@ -242,12 +321,12 @@ class SGLangEngine:
 
     def parallel_shape(self) -> tuple[int, int]:
         """(tensor-parallel ranks, data-parallel replicas) of the server."""
-        info = self.client.get("/get_server_info")
+        info = self.client.get("/server_info")
         try:
             return int(info.get("tp_size", 1)), int(info.get("dp_size", 1))
         except (AttributeError, TypeError, ValueError) as err:
             raise SGLangError(
-                f"{self.client.url}/get_server_info has no usable tp_size/dp_size"
+                f"{self.client.url}/server_info has no usable tp_size/dp_size"
             ) from err
 
 

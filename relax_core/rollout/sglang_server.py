@@ -9,7 +9,7 @@ Two ways a worker gets its server (`rollout.engine: sglang`):
 - **attached**: `sglang.url` (or $RELAX_SGLANG_URL, which the rollout pod sets): the pod's sidecar
   (tasks/pods.py). When $RELAX_MODEL_DIR names the volume the sidecar loads from, the worker
   first publishes the policy there (model files, VERSION, then READY last: containers/rollout/
-  serve.sh waits for READY), then waits for /health.
+  serve.sh waits for READY), then waits for /ready.
 
 Either way the worker drives it through `SGLangEngine` (sglang_engine.py).
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import shlex
@@ -29,12 +30,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from relax_core.config import SGLangConfig
+from relax_core.config.checks_sglang import context_length_arg
 from relax_core.net import free_port
 from relax_core.rollout.server_client import ServerClient, ServerError, wait_healthy
 from relax_core.rollout.sglang_engine import SGLangClient
 
 log = logging.getLogger(__name__)
 
+READY = "/ready"
+"""What a wait for the server polls: SGLang's `/health` generates a token (a second at least,
+and 503 while paused); `/ready` answers at once, 200 once warmed up and not paused."""
 POLICY_FILES = (".json", ".safetensors", ".txt", ".model", ".jinja")
 """What of a checkpoint a server loads: config, weights (and their index), tokenizer files."""
 
@@ -105,8 +110,10 @@ class ServerProcess:
         timeout_s: float,
         what: str,
         env: dict[str, str] | None = None,
+        ready_path: str = "/health",
     ) -> ServerProcess:
-        """Start `cmd` in its own session, its output to `log_path`, and wait for `/health`."""
+        """Start `cmd` in its own session, its output to `log_path`, and wait until
+        `ready_path` answers 200."""
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(
@@ -120,7 +127,7 @@ class ServerProcess:
         server = cls(proc, client, log_path)
         log.info("started %s (pid %d) on %s: %s", what, proc.pid, client.url, shlex.join(cmd))
         try:
-            wait_healthy(client, timeout_s, proc, what)
+            wait_healthy(client, timeout_s, proc, what, ready_path)
         except ServerError as err:
             server.stop()
             raise type(err)(f"{err}; the server's log: {log_path}{log_tail(log_path)}") from err
@@ -186,7 +193,9 @@ class SGLangServer(ServerProcess):
             lora,
         )
         client = SGLangClient(f"http://{host}:{port}", timeout_s=cfg.start_timeout_s)
-        return cls.launch(cmd, client, log_path, cfg.start_timeout_s, "SGLang server")
+        return cls.launch(
+            cmd, client, log_path, cfg.start_timeout_s, "SGLang server", ready_path=READY
+        )
 
 
 def publish_policy(checkpoint: str, model_dir: str, version: int) -> None:
@@ -242,5 +251,38 @@ def attach_or_start(
     if model_dir:
         publish_policy(checkpoint, model_dir, version)
     client = SGLangClient(url, timeout_s=cfg.start_timeout_s)
-    wait_healthy(client, cfg.start_timeout_s)
+    wait_healthy(client, cfg.start_timeout_s, path=READY)
     return client, None
+
+
+CONTEXT_KEYS = (
+    "max_sequence_length",
+    "seq_length",
+    "max_seq_len",
+    "model_max_length",
+    "max_position_embeddings",
+)
+"""Where SGLang 0.5.23 reads a model's context, first found first (hf_transformers/common.py)."""
+
+
+def served_context(model_path: str, extra_args: str = "") -> int | None:
+    """The context SGLang serves `model_path` with: `--context-length` when given, else read
+    from its config.json as SGLang reads it (the text model's, times a rope scaling factor);
+    None when there is no config.json here to read."""
+    given = context_length_arg(extra_args)
+    if given is not None:
+        return given
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config") or config
+    scaling = config.get("rope_scaling") or {}
+    factor = scaling.get("factor", 1)
+    if "original_max_position_embeddings" in scaling or scaling.get("rope_type") == "llama3":
+        factor = 1
+    for key in CONTEXT_KEYS:
+        if config.get(key) is not None:
+            return int(factor * config[key])
+    return 2048

@@ -134,6 +134,14 @@ def test_the_moe_config_replays_routes_on_megatron():
             {"rollout": {"engine": "sglang"}, "sglang": {"api_key_secret": "Relax_Key"}},
             "sglang.api_key_secret: 'Relax_Key' is not a Kubernetes secret name",
         ),
+        (  # SGLang refuses a whole /generate batch whose prompt plus max_new_tokens passes it
+            {
+                "rollout": {"engine": "sglang", "max_new_tokens": 256},
+                "sglang": {"extra_args": "--context-length=256"},
+            },
+            "rollout.max_new_tokens: 256 leaves no room for a prompt in the SGLang server's "
+            "context of 256 tokens",
+        ),
     ],
 )
 def test_gpu_stack_settings_are_checked(sections, expected):
