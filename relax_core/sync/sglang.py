@@ -1,7 +1,7 @@
 """Weight sync from the trainer to SGLang servers, over a process group that SGLang joins itself.
 
 SGLang's documented update path (0.5.23), driven from the trainer (rank 0):
-1. form: ask each server for its `tp_size` and `dp_size` (`/get_server_info`); a server with
+1. form: ask each server for its `tp_size` and `dp_size` (`/server_info`); a server with
    data-parallel replicas is refused here, as SGLang refuses it (an assertion in
    TokenizerManager.init_weights_update_group: run one server per replica instead). Give each
    server `rank_offset` = 1 + the tp sizes before it, and call `/init_weights_update_group
@@ -18,7 +18,15 @@ SGLang's documented update path (0.5.23), driven from the trainer (rank 0):
    tensor (tensors back to back, SGLang's FlattenedTensorBucket layout); the last bucket carries
    `weight_version: "v"` and `flush_cache` (not with pause mode in_place, whose paused requests
    keep running: SGLang refuses to flush then and fails the update); then `/end_weight_update`
-   and `/continue_generation`.
+   and `/continue_generation`. In place, the radix cache still holds KV (and an MoE policy's
+   routing) of the older weights, which new requests would reuse: `/flush_cache` runs at once
+   when nothing ran, else it is left pending (`?timeout=`, SGLang runs it as soon as the
+   requests that kept running have finished) before generation continues.
+   Before it pauses anything, the update reads each member's `weight_version` (`/model_info`):
+   one that no longer serves what this sender last sent restarted at its URL (a sidecar its
+   kubelet restarted) and holds no weight group, so the group is formed again first.
+Every member's call of a step is in flight at once (each blocks inside the broadcast until all
+ranks take part), so the sender's HTTP threads number at least its servers.
 3. the engine set changes (an engine registered or drained): `/destroy_weights_update_group` on
    the servers that stay, and a new group under a new name, formed at the next update.
 
@@ -57,6 +65,7 @@ from relax_core.sync.buckets import (
     stream_buckets,
 )
 from relax_core.sync.process_group import join_weight_group, leave_weight_group
+from relax_core.sync.sglang_fresh import PendingFlushes, flush_idle, restarted
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +130,10 @@ class SGLangSender:
         self.group_name = ""
         self.clients: dict[str, SGLangClient] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
+        self._flushes = PendingFlushes()
+        self.sent: str | None = None
+        """The version the members were last sent (None: none since the group formed)."""
         self.rendezvous: dict[str, Any] = {}
         self._buffer: torch.Tensor | None = None
 
@@ -150,22 +163,35 @@ class SGLangSender:
             self._form(wanted)
         if not self.members:
             return reformed
-        self._update(stream, version)
-        return reformed
+        return bool(self._update(stream, version)) or reformed
 
-    def _update(self, stream, version: int) -> None:
-        """Send the buckets of `stream` to the members as `version` (the group is formed)."""
+    def _update(self, stream, version: int) -> bool:
+        """Send the buckets of `stream` to the members as `version` (the group is formed),
+        forming it again first when a member restarted. True if it did."""
+        clients = {n: self._client(n, u) for n, u in self.members}
+        lost = self.sent is not None and restarted(self._executor(), clients, self.sent)
+        if lost:
+            log.warning("%s engines %s restarted: forming the weight group again", self.what, lost)
+            self._form(list(self.members))
+        self._flushes.check()
+        busy: list[str] = []
         self._each("/pause_generation", {"mode": self.pause_mode})
         try:
             with self._session(), torch.no_grad(), contextlib.closing(stream):
                 for i, bucket, tensors in stream:
                     last = i == len(self.buckets) - 1
                     self._send_bucket(bucket, tensors, version if last else None)
+            if self.pause_mode == "in_place":  # the others flushed with the last bucket
+                busy = flush_idle(self._executor(), clients)
         finally:
             self._each("/continue_generation", {})
+        self._flushes.start({n: clients[n] for n in busy}, self.timeout_s)
+        self.sent = str(version)
+        return bool(lost)
 
     def destroy(self) -> None:
         self._leave()
+        self._flushes.shutdown()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
@@ -177,9 +203,16 @@ class SGLangSender:
             client = self.clients[name] = self.client_class(url, timeout_s=self.timeout_s)
         return client
 
-    def _executor(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="sglang-sync")
+    def _executor(self, servers: int = 0) -> ThreadPoolExecutor:
+        """Threads for a call to every server at once (`servers`, else the members): each call
+        of a step blocks inside the broadcast until every server has joined it, so fewer
+        threads than servers would wait on each other for ever."""
+        need = max(servers, len(self.members), 4)
+        if self._pool is None or self._pool_size < need:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)  # its running calls finish
+            self._pool = ThreadPoolExecutor(max_workers=need, thread_name_prefix="sglang-sync")
+            self._pool_size = need
         return self._pool
 
     def _each(self, path: str, body: dict[str, Any]) -> list[Any]:
@@ -245,8 +278,9 @@ class SGLangSender:
         name = f"{self.base_name}-{self.incarnation}-{self.generation}"
         self._destroy_previous(wanted)
         offsets = [1 + sum(sizes[:i]) for i in range(len(wanted))]
+        pool = self._executor(len(wanted))
         pending = [
-            (n, self._executor().submit(self._join_request, n, u, offset, world, port, name))
+            (n, pool.submit(self._join_request, n, u, offset, world, port, name))
             for (n, u), offset in zip(wanted, offsets, strict=True)
         ]
         try:
@@ -266,6 +300,7 @@ class SGLangSender:
         for n, future in pending:
             self._result(n, future)
         self.group, self.group_name, self.members = group, name, list(wanted)
+        self.sent = None
         self.rendezvous = {
             "group_name": name,
             "master_address": self.host,
