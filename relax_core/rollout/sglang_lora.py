@@ -35,7 +35,7 @@ import logging
 import os
 import pickle
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -173,11 +173,13 @@ def publish_adapter(
     config: dict[str, Any],
     tp_size: int,
     keep: int,
+    unload: Callable[[SGLangClient, str], None] = unload_adapter,
 ) -> bool:
     """Make `policy-v{version}` the newest adapter of the server and unload those older than
-    the newest `keep`. Newer versions held are another trainer's (one that died after this
-    run's checkpoint) and go first; the version itself, when held, is this lineage's already.
-    True when it loaded the adapter."""
+    the newest `keep` through `unload` (SGLang answers an unload once the requests running with
+    the adapter have finished: a trainer passes one that does not wait). Newer versions held
+    are another trainer's (one that died after this run's checkpoint) and go first, at once;
+    the version itself, when held, is this lineage's already. True when it loaded it."""
     held = served_adapters(client)
     for v in sorted(v for v in held if v > version):
         log.warning("%s holds %s, newer than this trainer's; unloading it", client.url, held[v])
@@ -186,7 +188,7 @@ def publish_adapter(
     if loaded:
         load_adapter(client, version, tensors, config, tp_size)
     for v in sorted(v for v in held if v <= version - keep):
-        unload_adapter(client, held[v])
+        unload(client, held[v])
     return loaded
 
 

@@ -4,7 +4,10 @@ The frozen base is on every server from its launch; an update is the adapter alo
 `policy-v{N}` on every wanted server at once through SGLang's LoRA API (rollout/sglang_lora.py:
 the PEFT config, one self-contained payload per TP rank), after which versions older than the
 newest `keep` are unloaded. No weight group and no pause: running requests keep the adapter they
-named, new ones name the newest (SGLangEngine reads it from GET /v1/models).
+named, new ones name the newest (SGLangEngine reads it from GET /v1/models). SGLang unregisters
+an unloaded name at once but answers the unload only once the requests running with it have
+finished, so unloads run on threads of their own: the trainer's push does not wait for them,
+and one that failed is logged at the next push.
 
 `push` has SGLangSender's shape for TrainerSync (pool/weights.py): `members` are the servers
 that hold the trainer's adapter, `generation` counts the changes of that set.
@@ -12,7 +15,8 @@ that hold the trainer's adapter, `generation` counts the changes of that set.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from relax_core.rollout.sglang_engine import SGLangClient, SGLangError, adapter_name
@@ -22,9 +26,12 @@ from relax_core.rollout.sglang_lora import (
     peft_tensors,
     publish_adapter,
     server_shape,
+    unload_adapter,
 )
 from relax_core.sync.buckets import NamedTensors, TensorSpec
 from relax_core.sync.sglang import Engines, engines_source, wanted_engines
+
+log = logging.getLogger(__name__)
 
 
 class SGLangLoRASender:
@@ -53,6 +60,9 @@ class SGLangLoRASender:
         """What the servers hold, for control/rendezvous/sglang (`relax queue`, debugging)."""
         self._tp: dict[str, int] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._unloader: ThreadPoolExecutor | None = None
+        self._unloads: list[tuple[str, str, Future]] = []
+        """(server URL, adapter, its unload) still to report on."""
 
     def wanted(self) -> list[tuple[str, str]]:
         return wanted_engines(self._engines)
@@ -73,6 +83,7 @@ class SGLangLoRASender:
         if not wanted:
             self.members = []
             return reformed
+        self._report_unloads()
         tensors = self._checked(peft_tensors(named_tensors))
         clients = {n: SGLangClient(u, timeout_s=self.timeout_s) for n, u in wanted}
         futures = [
@@ -93,14 +104,31 @@ class SGLangLoRASender:
         return reformed
 
     def destroy(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
+        for pool in (self._pool, self._unloader):
+            if pool is not None:
+                pool.shutdown(wait=False)
+        self._pool = self._unloader = None
 
     def _publish(self, name: str, client: SGLangClient, version: int, tensors) -> None:
         if name not in self._tp or name not in dict(self.members):
             self._tp[name] = server_shape(client)
-        publish_adapter(client, version, tensors, self.config, self._tp[name], self.keep)
+        publish_adapter(
+            client, version, tensors, self.config, self._tp[name], self.keep, self._unload_later
+        )
+
+    def _unload_later(self, client: SGLangClient, adapter: str) -> None:
+        if any((u, a) == (client.url, adapter) and not f.done() for u, a, f in self._unloads):
+            return  # still listed until SGLang unregisters it: one unload is enough
+        if self._unloader is None:
+            self._unloader = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sglang-unload")
+        future = self._unloader.submit(unload_adapter, client, adapter)
+        self._unloads.append((client.url, adapter, future))
+
+    def _report_unloads(self) -> None:
+        for url, adapter, future in [u for u in self._unloads if u[2].done()]:
+            self._unloads.remove((url, adapter, future))
+            if future.exception() is not None:
+                log.warning("%s: unloading %s failed: %s", url, adapter, future.exception())
 
     def _checked(self, tensors: dict) -> dict:
         """`tensors` (PEFT names) when they are the adapter of `specs`; ValueError otherwise."""

@@ -39,6 +39,7 @@ from relax_core.sync.sglang_lora import SGLangLoRASender
 from tests.integration.test_sglang_contract import ROOT, fake_servers
 from tests.integration.test_sglang_engine_run import SERVICES, SHIM, _run
 from tests.integration.weight_sync_actors import engine_prompts, tiny_policy
+from tests.runs import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -217,14 +218,16 @@ def test_after_a_sync_the_server_samples_the_trainers_lora_policy(lora_server):
     assert [e[2] for e in events if e[1] == "lora_generate"][-1] == ["policy-v2"]
     for version in (3, 4):
         sender.push(named, version)
-    assert _held(client) == ["policy-v3", "policy-v4"]  # the newest `keep`
+    # The newest `keep`: older ones are unloaded in the background (an unload waits for the
+    # requests running with the adapter; the trainer does not).
+    wait_until(lambda: _held(client) == ["policy-v3", "policy-v4"], "v1 and v2 unloaded")
     loads = sum(e[1] == "lora_load" for e in client.get("/relax_test/events"))
     sender.push(named, 4)  # the same version again (an engine joined): nothing to load
     assert sum(e[1] == "lora_load" for e in client.get("/relax_test/events")) == loads
     # A version held that is newer than the trainer's is a dead trainer's: it goes first.
     load_adapter(client, 9, peft_tensors(named), sender.config, 2)
     sender.push(named, 5)
-    assert _held(client) == ["policy-v4", "policy-v5"]
+    wait_until(lambda: _held(client) == ["policy-v4", "policy-v5"], "v3 and v9 unloaded")
     for name in _held(client):
         unload_adapter(client, name)
 
@@ -252,8 +255,15 @@ def test_a_request_whose_adapter_was_unloaded_meanwhile_goes_again_with_the_newe
         while ["lora_generate", ["policy-v1"]] not in [e[1:] for e in _events_of(client)]:
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.02)
+        # Held in place (an update of another kind), the request cannot end while the trainer
+        # pushes v2: the push returns without waiting for v1's unload.
+        client.post_ok("/pause_generation", {"mode": "in_place"})
         sender.push(named, 2)
+        assert ["generate_end", "default"] not in [e[1:] for e in _events_of(client)]
+        client.post_ok("/continue_generation", {})
         thread.join()
+        wait_until(lambda: ["lora_unload", "policy-v1"] in [e[1:] for e in _events_of(client)],
+                   "v1 was unloaded once its request ended")  # fmt: skip
         kinds = [e[1:] for e in _events_of(client)]
         assert kinds.index(["lora_unload", "policy-v1"]) > kinds.index(["generate_end", "default"])
         assert {c.policy_version for c in running["out"]} == {1}
