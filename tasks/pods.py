@@ -123,10 +123,12 @@ def sglang_rollout_pod(
         ],
         ports=[V1ContainerPort(container_port=SGLANG_PORT, name="sglang")],
         resources=V1ResourceRequirements(requests=requests, limits=limits),
-        # SGLang answers /health without the API key, so the kubelet needs none.
+        # SGLang's /health generates a token (a second at least, past the kubelet's default
+        # 1 s timeout); /ready answers at once (warmed up, not paused). Both need no API key.
         readiness_probe=V1Probe(
-            http_get=V1HTTPGetAction(path="/health", port=SGLANG_PORT),
+            http_get=V1HTTPGetAction(path="/ready", port=SGLANG_PORT),
             period_seconds=10,
+            timeout_seconds=5,
             failure_threshold=3,
         ),
         volume_mounts=[shared, _SHM_MOUNT],

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from relax_core.queue import TransferQueue
 from relax_core.queue.audit import audit_run
@@ -44,6 +45,11 @@ def _run(cfg: str) -> None:
 
 
 def test_async_run_on_sglang_servers_over_nccl(small_config, workdir, sglang_python):
+    if torch.cuda.device_count() < 2:  # the trainer on one GPU, its SGLang server on another
+        pytest.skip(
+            f"needs 2 GPUs (the trainer's and the SGLang server's), this machine has "
+            f"{torch.cuda.device_count()}"
+        )
     total = 8
     cfg = small_config(
         "gpu-async.yaml",

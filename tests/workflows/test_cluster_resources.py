@@ -184,7 +184,9 @@ def test_the_r3_run_asks_its_trainer_gpus_and_tensor_parallel_sglang_pods(packag
     assert env["RELAX_SGLANG_URL"]["value"] == "http://$(RELAX_POD_IP):30000"
     assert names.index("RELAX_POD_IP") < names.index("RELAX_SGLANG_URL")
     assert env["RELAX_SGLANG_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "relax-sglang"
-    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/health", "port": 30000}
+    # SGLang's /health generates a token: at least a second, past a 1 s probe; /ready is cheap.
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/ready", "port": 30000}
+    assert sidecar["readinessProbe"]["timeoutSeconds"] >= 2
     # The primary runs the rollout service; both see the policy directory it writes.
     assert "sglang_rollout_service" in primary["args"]
     assert sidecar["command"] == ["/opt/relax/serve.sh"]
