@@ -10,7 +10,8 @@ Images are named, resolved when the workflows are registered:
 - default (`Dockerfile`): the engine with CPU torch; light tasks, a CPU-only run's tasks, and the
   SGLang rollout driver.
 - trainer (`containers/trainer/Dockerfile`): CUDA torch + megatron-core; every task that holds
-  the model on a GPU.
+  the model on a GPU. SGLang and vLLM in venvs of their own ($RELAX_SGLANG_PYTHON,
+  $RELAX_VLLM_PYTHON), for the tasks that start their engine's server beside the trainer.
 - rollout (`containers/rollout/Dockerfile`): the SGLang server, run as the sidecar of the
   rollout pod.
 
@@ -52,6 +53,19 @@ from relax_core.rollout.sglang_engine import API_KEY_ENV
 
 TRAINER_IMAGE = "{{.image.trainer.fqn}}:{{.image.trainer.version}}"
 ROLLOUT_IMAGE = "{{.image.rollout.fqn}}:{{.image.rollout.version}}"
+DOCKERFILES = {
+    None: "Dockerfile",
+    TRAINER_IMAGE: "containers/trainer/Dockerfile",
+    ROLLOUT_IMAGE: "containers/rollout/Dockerfile",
+}
+"""What each image is built from (None: the default image)."""
+IMAGE_ENGINES: dict[str | None, tuple[str, ...]] = {
+    None: (),
+    TRAINER_IMAGE: ("sglang", "vllm"),
+    ROLLOUT_IMAGE: ("sglang",),
+}
+"""The engine servers each image can start (tests/unit/test_containers.py reads the Dockerfiles
+to check it)."""
 
 SGLANG_PORT = 30000
 SGLANG_URL = f"http://$(RELAX_POD_IP):{SGLANG_PORT}"

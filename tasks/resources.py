@@ -17,6 +17,11 @@ image (CUDA torch + megatron-core) and as many GPUs as its role uses:
                                                              parallel) x the --dp-size in
                                                              sglang.extra_args
 
+The tasks that start their rollout engine's server in their own pod (SERVES: the session tasks
+and async_local, when rollout.engine is sglang or vllm) run where that engine is installed: the
+trainer image holds both in venvs of their own; a CPU-only run's default image holds neither, so
+a cluster run of that kind is refused here, naming the settings (such a run is for one machine).
+
 prepare_data, policy_spec and advantages_service are light CPU tasks in every run. CPUs and memory
 follow the GPUs (8 CPUs and 64 GiB per GPU, limits 16 and 96 GiB); on a CPU-only run a pod gets
 2 CPUs and 8 GiB per process it runs (limits twice that). A pod that holds more than one GPU or
@@ -46,7 +51,7 @@ from relax_core.ops.placement import demand, sglang_gpus
 from relax_core.roles.service import stage_chain
 from relax_core.rollout.sglang_lora import lora_flags, versions_kept
 from relax_core.rollout.sglang_server import server_flags
-from tasks.pods import TRAINER_IMAGE, model_pod, sglang_rollout_pod
+from tasks.pods import IMAGE_ENGINES, TRAINER_IMAGE, model_pod, sglang_rollout_pod
 
 CONFIG_ENV = "RELAX_CONFIG"
 LIGHT = ("prepare_data", "policy_spec", "advantages_service")
@@ -58,6 +63,10 @@ MODEL += ("reference_service", "actor_fwd_service")
 TRAINS = ("rl_steps", "async_local", "trainer_service")
 """Tasks that write checkpoints as they train: their pods give SIGTERM the preemption grace."""
 TASKS = (*LIGHT, *MODEL, "sglang_rollout_service")
+SERVES = (*SESSION, "async_local")
+"""Tasks whose pod starts the run's engine server itself (the session's, or async_local's rollout
+workers'); sglang_rollout_service's sidecar and the other roles reach theirs over HTTP."""
+SERVER_ENGINES = ("sglang", "vllm")
 PER_GPU = (8, 64)
 """CPUs and GiB requested per GPU; the limits are PER_GPU_LIMIT."""
 PER_GPU_LIMIT = (16, 96)
@@ -128,6 +137,24 @@ def gpus(cfg: RunConfig, task: str) -> int:
     return per_task.get(task, 1)
 
 
+def engine_served(cfg: RunConfig, task: str) -> str:
+    """The engine whose server `task`'s own pod starts ('' when none)."""
+    engine = cfg.rollout.engine
+    return engine if engine in SERVER_ENGINES and task in SERVES else ""
+
+
+def _check_image(cfg: RunConfig, task: str, image: str | None) -> None:
+    """Refuses a task that would start an engine its image does not hold."""
+    engine = engine_served(cfg, task)
+    if engine and engine not in IMAGE_ENGINES[image]:
+        raise ValueError(
+            f"rollout.engine {engine!r}: the {task} task starts its server, and on a cluster a "
+            f"run without services.accelerator runs it in the default image, which holds no "
+            f"{engine}; name services.accelerator (the trainer image holds it) or run this "
+            f"config on one machine (python -m relax_core.entrypoints.run)"
+        )
+
+
 def _processes(cfg: RunConfig, task: str) -> int:
     """Processes a CPU pod of `task` runs (trainer ranks under torchrun count one each)."""
     s = cfg.services
@@ -170,6 +197,7 @@ def task_ask(cfg: RunConfig, task: str) -> Ask:
     if task in LIGHT:
         return Ask(_resources(requests, 0), _resources(limits, 0))
     image = TRAINER_IMAGE if n else None
+    _check_image(cfg, task, image)
     shm = n > 1 or (sglang and task in (*SESSION, "async_local"))
     key = cfg.sglang.api_key_secret if sglang and task == "trainer_service" else ""
     grace = cfg.services.preemption_grace_s if task in TRAINS else 0

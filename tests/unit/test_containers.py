@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import time
 import tomllib
 
@@ -114,3 +115,53 @@ def test_sidecar_refuses_to_start_without_a_model_directory():
     out = subprocess.run(["sh", SERVE], env=env, capture_output=True, text=True, timeout=10)
     assert out.returncode != 0
     assert "RELAX_MODEL_DIR must name the shared policy directory" in out.stderr
+
+
+# What each torch release requires of NCCL (Requires-Dist of the pinned wheels' METADATA, read
+# from PyPI): the trainer's and vLLM 0.32.0's torch 2.13.0, SGLang 0.5.23's torch 2.14.1.
+TORCH_NCCL = {"2.13.0": "2.29.7", "2.14.1": "2.30.7"}
+GPU_DOCKERFILES = (
+    ("containers", "trainer", "Dockerfile"),
+    ("containers", "rollout", "Dockerfile"),
+    ("containers", "rollout", "Dockerfile.vllm"),
+)
+
+
+def _nccl_pin() -> tuple[str, str]:
+    lines = [x for x in _read("containers", "nccl.txt").splitlines() if x and x[0] != "#"]
+    assert len(lines) == 1, lines
+    name, version = lines[0].split("==")
+    return name, version
+
+
+def test_every_environment_that_joins_a_weight_group_installs_the_one_nccl_build():
+    name, version = _nccl_pin()
+    # The newest the environments' torch releases ask for; NCCL 2.x runs what older ones built.
+    assert name == "nvidia-nccl-cu13"
+    assert version == max(TORCH_NCCL.values(), key=lambda v: tuple(map(int, v.split("."))))
+    for parts in GPU_DOCKERFILES:
+        text = _read(*parts)
+        assert "/opt/relax/nccl.txt" in text and "check_nccl.py" in text, parts
+        # Each venv that gets a torch (from the engine or the project) gets the pin after it,
+        # and its own Python checks what it got.
+        installs = re.compile(r"(?<![\w/])(\S*pip) install --no-cache-dir (?!--no-deps -r)")
+        pips = {m.group(1) for m in installs.finditer(text)}
+        assert pips, parts
+        for pip in pips:
+            python = pip[: -len("pip")] + "python" if "/" in pip else "python"
+            pinned = f"{pip} install --no-cache-dir --no-deps -r /opt/relax/nccl.txt"
+            last = max(m.start() for m in installs.finditer(text) if m.group(1) == pip)
+            assert pinned in text and text.rindex(pinned) > last, (parts, pip)
+            assert f"{python} /opt/relax/check_nccl.py /opt/relax/nccl.txt" in text, (parts, pip)
+
+
+def test_the_image_check_names_an_nccl_build_other_than_the_pin(tmp_path):
+    check = os.path.join(REPO, "containers", "check_nccl.py")
+    pin = tmp_path / "nccl.txt"
+    pin.write_text("# one line\npyyaml==0.0.1\n")  # installed here, at another version
+    out = subprocess.run([sys.executable, check, str(pin)], capture_output=True, text=True)
+    assert out.returncode != 0 and "0.0.1 pinned" in out.stderr
+    assert "pyyaml " in out.stderr.lower()
+    pin.write_text("nvidia-nccl-cu99==2.30.7\n")
+    out = subprocess.run([sys.executable, check, str(pin)], capture_output=True, text=True)
+    assert out.returncode != 0 and "nvidia-nccl-cu99 is not installed" in out.stderr
