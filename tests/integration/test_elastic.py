@@ -136,7 +136,7 @@ def test_engines_scale_out_register_and_drain_mid_run_and_no_group_is_lost(small
         _succeeded(client, op)
 
         # An external SGLang server, registered by URL.
-        wait_healthy(sglang, 120, server)
+        wait_healthy(sglang, 120, server, path="/ready")
         asked_at["rollout-2"] = _trainer_version(queue)
         op = client.register([sglang.url])
         assert op["status"] == "running" and op["engines"] == ["rollout-2"]

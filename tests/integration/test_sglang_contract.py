@@ -64,7 +64,7 @@ def fake_servers(count: int, *args: str) -> Iterator[list[SGLangClient]]:
             procs.append(subprocess.Popen([*cmd, *args], cwd=ROOT))
         clients = [SGLangClient(f"http://127.0.0.1:{p}", timeout_s=120) for p in ports]
         for proc, client in zip(procs, clients, strict=True):
-            wait_healthy(client, 120, proc)
+            wait_healthy(client, 120, proc, path="/ready")
         yield clients
     finally:
         for proc in procs:
@@ -295,7 +295,7 @@ def test_a_server_with_an_api_key_serves_the_run_s_clients_only(monkeypatch):
     trainer, _ = tiny_policy(3)
     named = list(trainer.named_parameters())
     try:
-        wait_healthy(SGLangClient(url), 120, proc)  # /health needs no key: the kubelet's probe
+        wait_healthy(SGLangClient(url), 120, proc, path="/ready")  # no key: the kubelet's probe
         outsider = SGLangEngine(SGLangClient(url))
         with pytest.raises(SGLangError, match=f"{url}/generate: HTTP 401"):
             outsider.generate([[1, 2]], SamplingParams(max_new_tokens=2))

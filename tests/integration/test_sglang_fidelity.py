@@ -141,7 +141,7 @@ def slow_server():
     proc = _start(port, "--step-delay-s", "0.3")
     client = SGLangClient(f"http://127.0.0.1:{port}", timeout_s=120)
     try:
-        wait_healthy(client, 120, proc)
+        wait_healthy(client, 120, proc, path="/ready")
         yield client
     finally:
         proc.kill()
