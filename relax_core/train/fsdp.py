@@ -262,7 +262,7 @@ def build_fsdp_backend(
     rank's ('cuda:<local_rank>' or 'cpu'); `mesh` defaults to all ranks of the default group;
     `compute_dtype` narrower than `model`'s float32 makes it master weights (mixed precision);
     `entropy_grad`: the loss has an entropy term; `activation_checkpointing`: each decoder layer
-    recomputes its activations in backward (torch_backend.use_activation_checkpointing)."""
+    recomputes its activations in backward (train/recompute.py)."""
     device = torch.device(device)
     if mesh is None:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))

@@ -18,6 +18,7 @@ receive float32 weights (their linear layers round them as autocast does: models
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -33,6 +34,8 @@ from relax_core.multimodal.protocol import MultimodalDecoder
 from relax_core.train.backend import MASTER_WEIGHTS_FILE, MicroBatchLoss
 from relax_core.train.batch import MicroBatch
 from relax_core.train.master_weights import load_master_weights, save_master_weights
+from relax_core.train.offload import StateOffload
+from relax_core.train.recompute import use_activation_checkpointing
 from relax_core.train.shared_prompts import runs_shared, shared_prompt_hidden
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -183,8 +186,12 @@ class TorchBackend:
         compute_dtype: torch.dtype | None = None,
         weights_dtype: torch.dtype | None = None,
         entropy_grad: bool = True,
+        device: torch.device | None = None,
     ) -> None:
         self.model = model.train()
+        self.device = torch.device(device) if device else next(model.parameters()).device
+        """Where the policy trains (micro-batches are built on the CPU): where its parameters
+        are, or `device` for one built in host memory to be offloaded from the start."""
         self.entropy_grad = entropy_grad
         """Whether the loss differentiates the entropy (an entropy bonus); otherwise the entropy
         the forward returns is a metric, computed outside autograd."""
@@ -204,10 +211,8 @@ class TorchBackend:
         # same update to float32 rounding (2e-8 after 100 steps). Elsewhere, and for sharded
         # (DTensor) parameters, torch's default implementation.
         groups = _param_groups(model, lr_scale)
-        on_cpu = all(
-            p.device.type == "cpu" and not hasattr(p, "placements")
-            for g in groups
-            for p in g["params"]
+        on_cpu = self.device.type == "cpu" and all(
+            not hasattr(p, "placements") for g in groups for p in g["params"]
         )
         self.optimizer = torch.optim.AdamW(
             groups,
@@ -223,17 +228,14 @@ class TorchBackend:
         still reading them finish)."""
         self.scorer: torch.nn.Module = scorer if scorer is not None else ResponseScorer(model)
         """Runs `response_logprobs` over `model` (a sharded backend passes its sharded root)."""
+        self.offloading: StateOffload | None = None
+        """The host copies of the state `offload` moved (None until the first offload)."""
 
     def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         if self.autocast is None:
             return self.scorer(mb, self.temperature, self.entropy_grad)
         with torch.autocast(self.device.type, dtype=self.autocast):
             return self.scorer(mb, self.temperature, self.entropy_grad)
-
-    @property
-    def device(self) -> torch.device:
-        """Where the policy is (a GPU trainer's; micro-batches are built on the CPU)."""
-        return next(self.model.parameters()).device
 
     @torch.no_grad()
     def logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
@@ -293,6 +295,23 @@ class TorchBackend:
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr * scale * group["lr_scale"]
 
+    def offload(self, weights: bool = True) -> None:
+        """Give the device back between phases (train.offload_between_steps): gradients
+        dropped, optimizer state and with `weights` the trainable parameters in host memory
+        (train/offload.py) until `reload`."""
+        if self.offloading is None:
+            self.offloading = StateOffload(self.model, self.optimizer, self.device)
+        self.offloading.offload(weights)
+
+    def reload(self) -> None:
+        """What `offload` moved, back on the device, for the next step."""
+        if self.offloading is not None:
+            self.offloading.reload()
+
+    def _on_host(self) -> contextlib.AbstractContextManager:
+        """Offloaded state read and written in host memory (a checkpoint saved or loaded)."""
+        return self.offloading.on_host() if self.offloading else contextlib.nullcontext()
+
     @property
     def keeps_master(self) -> bool:
         """Whether the parameters are wider than what engines receive (float32 master weights)."""
@@ -301,6 +320,8 @@ class TorchBackend:
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights engines take: a LoRA policy's adapter (float32, as the engines hold
         it), else every parameter in `weights_dtype`."""
+        if self.offloading is not None and self.offloading.params:
+            raise RuntimeError("named_weights while the weights are offloaded: reload() first")
         if is_lora(self.model):
             yield from adapter_weights(self.model)
             return
@@ -311,6 +332,10 @@ class TorchBackend:
         """The policy in `weights_dtype` (safetensors, what engines and evaluation load), the
         optimizer state and, with master weights, those in float32. A LoRA policy: its frozen
         base under plain HF names and the adapter in PEFT's format (models/lora.py)."""
+        with self._on_host():
+            self._save(directory)
+
+    def _save(self, directory: str) -> None:
         if is_lora(self.model):
             base = {k: v.to(self.weights_dtype) for k, v in base_state_dict(self.model).items()}
             self.model.save_pretrained(directory, state_dict=base, safe_serialization=True)
@@ -328,22 +353,10 @@ class TorchBackend:
         `weights_dtype`) by whoever built it."""
         path = os.path.join(directory, OPTIMIZER_FILE)
         state = torch.load(path, map_location="cpu", weights_only=True)
-        self.optimizer.load_state_dict(state)
-        if self.keeps_master:
-            load_master_weights(self.model, os.path.join(directory, MASTER_WEIGHTS_FILE))
-
-
-def use_activation_checkpointing(model: PreTrainedModel) -> None:
-    """Each decoder layer keeps only its input for backward and recomputes the rest there
-    (transformers' gradient checkpointing). Non-reentrant: gradients reach a frozen LoRA base's
-    inputs and FSDP2's hooks run as in a plain backward. transformers renamed the method after
-    5.17 (the GPU image's), which has only the old name."""
-    kwargs = {"use_reentrant": False}
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        with self._on_host():
+            self.optimizer.load_state_dict(state)
+            if self.keeps_master:
+                load_master_weights(self.model, os.path.join(directory, MASTER_WEIGHTS_FILE))
 
 
 def build_backend(
@@ -354,11 +367,13 @@ def build_backend(
     weights_dtype: torch.dtype | None = None,
     entropy_grad: bool = True,
     activation_checkpointing: bool = False,
+    device: torch.device | None = None,
 ) -> TorchBackend:
     """The trainer's backend for `model` (float32 master weights when `compute_dtype` is
     narrower, unless `weights_dtype` keeps what engines receive float32) under the run's
     `train` settings; `entropy_grad`: the loss has an entropy term; `activation_checkpointing`:
-    train.activation_checkpointing as the memory plan resolved it (plan.trainer_checkpointing)."""
+    train.activation_checkpointing as the memory plan resolved it (plan.trainer_checkpointing);
+    `device`: where a policy built in host memory trains (TorchBackend)."""
     if train.routing_replay:
         attach_routing_replay(model)
     if activation_checkpointing:
@@ -378,4 +393,5 @@ def build_backend(
         compute_dtype=compute_dtype,
         weights_dtype=weights_dtype,
         entropy_grad=entropy_grad,
+        device=device,
     )
