@@ -46,6 +46,7 @@ def check_gpu_stacks(e: list[str], cfg: RunSections) -> None:
     if cfg.rollout.engine == "sglang":
         _check_sglang(e, cfg)
     _check_checkpointing(e, cfg)
+    _check_offload(e, cfg)
     _check_backend(e, cfg)
 
 
@@ -65,6 +66,20 @@ def _check_checkpointing(e: list[str], cfg: RunSections) -> None:
             "train.activation_checkpointing: 'on' with train.backend 'megatron' and "
             "train.routing_replay: Megatron's recompute would route the replayed tokens twice; "
             "use 'auto' or 'off', or lower train.micro_batch_tokens"
+        )
+
+
+def _check_offload(e: list[str], cfg: RunSections) -> None:
+    t = cfg.train
+    if t.offload_between_steps not in CHECKPOINTING:
+        e.append(
+            f"train.offload_between_steps: {t.offload_between_steps!r} is not one of "
+            f"{', '.join(CHECKPOINTING)}"
+        )
+    elif t.offload_between_steps == "on" and (cfg.mode != "colocate" or t.backend != "torch"):
+        e.append(
+            "train.offload_between_steps: 'on' needs mode colocate and train.backend torch "
+            f"(this run: mode {cfg.mode}, backend {t.backend}); use 'auto' or 'off'"
         )
 
 

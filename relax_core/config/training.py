@@ -63,6 +63,10 @@ class TrainConfig:
     """'on': each decoder layer keeps only its input and recomputes the rest in backward (torch
     and fsdp: HF gradient checkpointing; megatron: full recompute); 'off'; 'auto': on where the
     memory plan says the micro-batch's activations would not fit without it (off on a CPU)."""
+    offload_between_steps: str = "auto"
+    """'on': in colocate mode the trainer's parameters and optimizer state wait in host memory
+    while the engine generates (gradients dropped) and come back for the next step (torch
+    backend); 'off'; 'auto': on for a colocate run on a GPU, where trainer and engine share it."""
     skip_inert_groups: bool = True
     """Train without groups whose advantages are all 0 (docs/algorithms.md): same update."""
     checkpoint_every: int = 25

@@ -4,8 +4,11 @@ GPU's parts summed, and a refusal that names the parts and the settings to chang
 Processes: async runs have the trainer (every GPU of it alike), rollout workers (an SGLang or
 vLLM server over `services.rollout_gpus`, tensor parallel; a torch engine on the first), and the
 reference and actor_fwd roles on one GPU each. A colocate run is one process whose first GPU
-holds the trainer and the engine together: the trainer keeps its memory (state and the
-allocator's cached blocks) while the engine generates, so both count at once.
+holds the trainer and the engine together. With train.offload_between_steps the two take turns
+there: while the engine generates the trainer's state waits in host memory (a LoRA run's frozen
+base stays), and while the trainer trains a sleeping server keeps only its CUDA context (a torch
+engine its weights), so GPU 0 gets one line per turn. Without it the trainer keeps its memory
+(state and the allocator's cached blocks) while the engine generates: both count at once.
 """
 
 from __future__ import annotations
@@ -117,6 +120,15 @@ def trainer_checkpointing(cfg: RunConfig, gpu: Gpu | None) -> bool:
     return _checkpointing(cfg, shape, gpu, lengths(cfg))
 
 
+def trainer_offload(cfg: RunConfig, on_gpu: bool) -> bool:
+    """train.offload_between_steps resolved for a trainer on a GPU (`on_gpu`) or a CPU: auto is
+    on for a colocate run of the torch backend on a GPU, whose engine shares the trainer's."""
+    setting = cfg.train.offload_between_steps
+    if setting != "auto":
+        return setting == "on"
+    return on_gpu and cfg.mode == "colocate" and cfg.train.backend == "torch"
+
+
 def _model_name(cfg: RunConfig, shape: Shape | None = None) -> str:
     name = cfg.model.source or cfg.model.kind
     if shape is None:
@@ -133,7 +145,8 @@ def _checkpointing(cfg: RunConfig, shape: Shape, gpu: Gpu, n: Lengths) -> bool:
     if cfg.train.backend == "megatron" and cfg.train.routing_replay:
         return False  # Megatron's recompute would route the replayed tokens twice (replay.py)
     if cfg.mode == "colocate":  # the trainer's GPU holds the engine too
-        return _colocate_groups(cfg, shape, gpu, n, False)[0].total > gpu.memory
+        training = [g for g in _colocate_groups(cfg, shape, gpu, n, False) if _trains(g)]
+        return max(g.total for g in training) > gpu.memory
     return _trainer_group(cfg, shape, n, False).total > gpu.memory
 
 
@@ -228,10 +241,13 @@ def _colocate_groups(
     trainer = trainer_parts(cfg, shape, n, ckpt)
     engine = e.engine_parts(cfg, shape, gpu, n.seq)
     engine_only = [part for part in engine if part.name != "CUDA context"]
-    first = GpuGroup("colocate", "GPU 0", tuple(trainer + engine_only + _context()))
+    if trainer_offload(cfg, on_gpu=True):
+        out = _taking_turns(cfg, trainer, engine)
+    else:
+        out = [GpuGroup("colocate", "GPU 0", tuple(trainer + engine_only + _context()))]
     trainers = cfg.services.trainer_gpus
     servers = _engine_gpus(cfg) if cfg.rollout.engine == "sglang" else 1
-    out, start = [first], 1
+    start = 1
     for end, parts in (
         (min(trainers, servers), trainer + engine_only),
         (trainers, trainer),
@@ -242,6 +258,37 @@ def _colocate_groups(
             out.append(GpuGroup("colocate", where, tuple(parts + _context())))
             start = end
     return out
+
+
+def _taking_turns(cfg: RunConfig, trainer: list[p.Part], engine: list[p.Part]) -> list[GpuGroup]:
+    """GPU 0 in its two turns: the engine generating beside what the trainer keeps there, and
+    the trainer training beside what the engine keeps asleep (module doc). A server's CUDA
+    context is its own, beside the trainer's."""
+    kept = [part for part in trainer if part.name.startswith("policy weights (frozen base")]
+    held = [part for part in trainer if part.name.startswith(("master weights", "optimizer"))]
+    host = sum(part.bytes for part in held)  # gradients are dropped, the rest is transient
+    away = p.Part(
+        f"trainer state in host memory ({host / GIB:.1f} GiB there)",
+        0,
+        "train.offload_between_steps",
+    )
+    own = p.Part("CUDA context (the trainer's)", p.CUDA_CONTEXT)
+    server = {"sglang": "SGLang", "vllm": "vLLM"}.get(cfg.rollout.engine, "")
+    if not server:  # a torch engine in the trainer's process: its KV cache is freed
+        engine = [part for part in engine if part.name != "CUDA context"]
+        asleep = [part for part in engine if part.name.startswith("engine weights")]
+    elif cfg.rollout.engine == "sglang" and not cfg.sglang.release_memory:
+        asleep = [part for part in engine if part.name != "CUDA context"]
+    else:
+        asleep = [p.Part(f"{server} server asleep (its CUDA context)", p.CUDA_CONTEXT)]
+    return [
+        GpuGroup("colocate", "GPU 0, engine generating", tuple(kept + [away] + engine + [own])),
+        GpuGroup("colocate", "GPU 0, trainer training", tuple(trainer + asleep + [own])),
+    ]
+
+
+def _trains(group: GpuGroup) -> bool:
+    return any(part.name.startswith("activations") for part in group.parts)
 
 
 def _context() -> list[p.Part]:

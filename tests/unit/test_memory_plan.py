@@ -104,11 +104,12 @@ def test_refusal_vllm_budget_too_small():
 
 
 def test_refusal_colocate_trainer_and_engine_on_one_gpu():
-    cfg = load_config(REPO / "configs" / "qwen3-4b-8xgpu-colocate.yaml")
-    text = _problems(cfg, H100)
+    cfg = _gpu_cfg("qwen3-4b-8xgpu-colocate.yaml", train={"offload_between_steps": "off"})
+    text = _problems(cfg, H100)  # the trainer keeps its state beside the engine's pool
     assert "colocate (GPU 0)" in text and "SGLang static pool" in text
     assert "optimizer state" in text and "sglang.mem_fraction_static" in text
-    assert memory_plan(cfg, H200).fits  # what its YAML says it needs
+    assert memory_plan(cfg, H200).fits
+    assert memory_plan(replace(cfg, train={"offload_between_steps": "auto"}), H100).fits
 
 
 def test_refusal_torch_engine_kv_cache_names_the_generate_batch():
@@ -143,8 +144,10 @@ def _state_gib(cfg) -> float:
     return sum(p.bytes for p in _parts(cfg) if p.name.startswith(names)) / GIB
 
 
-def test_relax_plan_gpu_flag_and_its_errors(capsys):
-    colocate = REPO / "configs" / "qwen3-4b-8xgpu-colocate.yaml"
+def test_relax_plan_gpu_flag_and_its_errors(capsys, tmp_path):
+    colocate = tmp_path / "colocate-kept.yaml"  # the trainer's state kept on GPU 0
+    text = (REPO / "configs" / "qwen3-4b-8xgpu-colocate.yaml").read_text()
+    colocate.write_text(text.replace("\ntrain:\n", "\ntrain:\n  offload_between_steps: 'off'\n"))
     assert _plan(colocate, capsys)[0] == 1
     code, out = _plan(colocate, capsys, "--gpu", "h200")
     assert code == 0 and "NVIDIA H200, 139.8 GiB" in out
