@@ -13,6 +13,7 @@ servers has no broadcast group unless actor_fwd needs one.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from relax_core.config import RunConfig
@@ -26,6 +27,8 @@ from relax_core.pool.engines import (
 from relax_core.queue import TransferQueue
 from relax_core.rollout.expert_names import checkpoint_layout, checkpoint_names
 from relax_core.sync.buckets import TensorSpec, replayable
+
+log = logging.getLogger(__name__)
 
 GROUP = "weights"
 SGLANG_GROUP = "sglang"
@@ -175,7 +178,7 @@ class TrainerSync:
         # SGLang servers first: their rollout processes learn of a new version by polling, the
         # broadcast members at once; the other order would hand every admission the new
         # version opens to the broadcast members.
-        if self.sglang.push(checkpoint_names(named()), version):
+        if self._push_servers(named, version):
             members = [name for name, _ in self.sglang.members]
             if members:  # who is at which rank, for `relax queue` and whoever debugs a hang
                 record = json.dumps(self.sglang.rendezvous, indent=1).encode()
@@ -186,6 +189,19 @@ class TrainerSync:
         if self.broadcast is None:
             return False
         return self.broadcast.push_or_reform(named, version)
+
+    def _push_servers(self, named: Any, version: int) -> bool:
+        """The servers' push; once more to those that answer when one of them died under it
+        (a sender that leaves out servers that do not answer: vLLM's), so the trainer does
+        not fail, and restart, for a server its worker restarts anyway."""
+        try:
+            return self.sglang.push(checkpoint_names(named()), version)
+        except RuntimeError as err:
+            if not self.sglang.needs_reform():
+                raise
+            log.warning("the update to version %d failed (%s); sending it again", version, err)
+            self.sglang.push(checkpoint_names(named()), version)
+            return True
 
     def destroy(self) -> None:
         try:

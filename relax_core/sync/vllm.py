@@ -25,6 +25,7 @@ Names are the checkpoint names vLLM's `load_weights` takes (per-expert MoE names
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from typing import Any
@@ -38,6 +39,8 @@ from relax_core.rollout.vllm_lora import publish_adapter, write_adapter
 from relax_core.sync.buckets import Bucket
 from relax_core.sync.sglang import SGLangSender
 from relax_core.sync.sglang_lora import SGLangLoRASender
+
+log = logging.getLogger(__name__)
 
 
 class VLLMSender(SGLangSender):
@@ -56,10 +59,26 @@ class VLLMSender(SGLangSender):
         options["backend"] = self.transport
         super().__init__(engines, specs, pause_mode=pause_mode, **options)
 
+    def wanted(self) -> list[tuple[str, str]]:
+        """The pool's servers that answer now. One that died (its rollout worker starts it
+        again and publishes the new one) is left out of this update rather than failing it:
+        the others get the version, and it rejoins once it is back."""
+        alive = []
+        for name, url in super().wanted():
+            try:
+                self._client(name, url).get("/health", timeout_s=10.0)
+            except ServerError as err:
+                log.warning("vLLM engine %s is left out of this update: %s", name, err)
+                continue
+            alive.append((name, url))
+        return alive
+
     def _update(self, stream: Any, version: int) -> None:
         self._each(f"/pause?mode={self.pause_mode}&clear_cache=true", {})
         try:
-            self._each("/start_weight_update", {})
+            futures = [(n, self._executor().submit(self._start, n, u)) for n, u in self.members]
+            for n, future in futures:
+                self._result(n, future)
             with torch.no_grad(), contextlib.closing(stream):
                 for _, bucket, tensors in stream:
                     self._send_bucket(bucket, tensors, None)
@@ -69,6 +88,19 @@ class VLLMSender(SGLangSender):
                     raise VLLMError("a vLLM server refused to reset its prefix cache")
         finally:
             self._each("/resume", {})
+
+    def _start(self, name: str, url: str) -> None:
+        """Open server `name`'s weight update. One a trainer left open (it died mid-update) is
+        finished first: vLLM refuses a second start, and every weight follows anyway."""
+        client = self._client(name, url)
+        try:
+            client.post_ok("/start_weight_update", {})
+        except ServerError as err:
+            if "already active" not in str(err):
+                raise
+            log.warning("vLLM engine %s had a weight update open; finishing it first", name)
+            client.post_ok("/finish_weight_update", {})
+            client.post_ok("/start_weight_update", {})
 
     def _ranks(self, name: str, url: str) -> int:
         ranks, replicas = VLLMEngine(self._client(name, url), concurrency=1).parallel_shape()

@@ -21,9 +21,10 @@ from relax_core.agents.server import AgentEndpoint, CallLimits
 from relax_core.config import ModelConfig, RunConfig, VLLMConfig
 from relax_core.config.checks import validate
 from relax_core.models.tiny import build_char_tokenizer, build_tiny_qwen3
+from relax_core.net import free_port
 from relax_core.ops.scale_requests import ApiError, probe_server
 from relax_core.rollout.engine import SamplingParams
-from relax_core.rollout.server_client import ServerClient
+from relax_core.rollout.server_client import ServerClient, ServerError
 from relax_core.rollout.vllm_engine import VLLMEngine, VLLMError
 from relax_core.rollout.vllm_server import attach_or_start, start_server
 from relax_core.sync.buckets import specs_of
@@ -298,8 +299,6 @@ def test_server_without_the_rl_api_is_refused_before_use(served, tmp_path):
     attaching to it fails at once, naming what to set."""
     import subprocess
 
-    from relax_core.net import free_port
-
     port = free_port("127.0.0.1")
     cmd = [served["python"], "-m", "vllm.entrypoints.openai.api_server"]
     cmd += ["--model", str(served["dir"] / "policy"), "--port", str(port), "--host", "127.0.0.1"]
@@ -355,8 +354,8 @@ def test_a_colocate_server_sleeps_for_the_trainer_and_wakes_for_the_update(serve
 
 def test_an_engine_registered_mid_run_joins_the_weight_group_at_the_next_update(served):
     """Elastic registration: the trainer's sender reads the pool at every update; a server
-    registered since the last one gets a group formed with it and every weight, and one drained
-    is left out of the next."""
+    registered since the last one gets a group formed with it and every weight, one that does
+    not answer is left out, and one drained is left out of the next."""
     client = served["client"]
     pool: list[tuple[str, str]] = []
     new = policy(served["version"] + 51)
@@ -364,9 +363,13 @@ def test_an_engine_registered_mid_run_joins_the_weight_group_at_the_next_update(
     sender = VLLMSender(lambda: list(pool), specs_of(named), timeout_s=120.0)
     try:
         assert sender.push(iter(named), served["version"] + 1) is False  # nobody to send to
+        # A registered server, and one whose server died (its worker has not published the
+        # restarted one yet): the update goes to the one that answers, and does not fail.
         pool.append(("rollout-ext-0", client.url))
+        pool.append(("rollout-ext-1", f"http://127.0.0.1:{free_port('127.0.0.1')}"))
         version = served["version"] + 1
         assert sender.push(iter(named), version) is True  # formed with the registered server
+        assert sender.members == [("rollout-ext-0", client.url)]
         served["model"], served["version"] = new, version
         out = VLLMEngine(client).generate(PROMPTS[:4], SamplingParams(max_new_tokens=12))
         assert max(gap(new, p, c) for p, c in zip(PROMPTS[:4], out, strict=True)) < BOUND
@@ -405,3 +408,19 @@ def test_the_agent_endpoint_serves_a_vllm_engine_token_for_token(served):
     ref = hf_logprobs(served["model"], row.prompt_ids, row.response_ids)
     masked = [(a, b) for a, b, m in zip(row.logprobs, ref, row.loss_mask, strict=True) if m]
     assert max(abs(a - b) for a, b in masked) < BOUND
+
+
+def test_a_trainer_restarted_mid_update_takes_over_the_open_update(served):
+    """A trainer that died between /start_weight_update and /finish_weight_update leaves the
+    server paused with its update open, and vLLM refuses a second start. The next trainer
+    finishes it and sends every weight: the server then serves exactly the new version."""
+    client = served["client"]
+    client.post("/pause?mode=wait&clear_cache=true", {})
+    client.post("/start_weight_update", {})  # the dead trainer's: never finished
+    with pytest.raises(ServerError, match="already active"):
+        client.post("/start_weight_update", {})
+    new = policy(served["version"] + 61)
+    version = push(served, new)
+    out = VLLMEngine(client).generate(PROMPTS[:4], SamplingParams(max_new_tokens=12))
+    assert all(c.policy_version == version for c in out)
+    assert max(gap(new, p, c) for p, c in zip(PROMPTS[:4], out, strict=True)) < BOUND
