@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+
+from bench.gpu_check import BOUNDS, DEFAULT_PARTS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,7 +33,13 @@ def test_flop_count_of_a_qwen3_forward_by_hand():
 def test_the_kit_runs_every_part_on_the_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     args = "--size tiny --steps 2 --seqs 4 --micro 2 --prompt 8 --response 8"
-    args += " --gen-batch 4 --gen-tokens 8 --parts peak,torch,fsdp,engine,nccl"
+    args += " --gen-batch 4 --gen-tokens 8 --parts peak,torch,fsdp,engine,nccl,plan,sglang_ipc"
+    # The plan part at the tiny shape: micro-batches of 1 and 4 sequences, and one the plan
+    # refuses on the card it plans for (nothing of it runs).
+    args += " --plan-size tiny --plan-tokens 16,64,4000000000"
+    # The GPU bounds are a loan's; a loaded 2-core box needs more.
+    generous = ",".join(f"{name}=300" for name in BOUNDS)
+    args += f" --bounds {generous}"
     proc = subprocess.run(
         [sys.executable, "-m", "bench.gpu_check", *args.split(), "--json", str(out)],
         cwd=REPO,
@@ -41,8 +50,12 @@ def test_the_kit_runs_every_part_on_the_cpu(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("headline: gpu_check_torch_mfu = ")
-    results = json.loads(out.read_text())["results"]
+    written = json.loads(out.read_text())
+    results = written["results"]
+    ipc = results.pop("sglang_ipc")
+    assert ipc["status"] == "skipped" and "CUDA IPC needs a GPU" in ipc["why"]
     assert {name: r["status"] for name, r in results.items()} == dict.fromkeys(results, "ok")
+    assert written["bounds_s"] == dict.fromkeys(BOUNDS, 300.0)
     for backend in ("torch", "fsdp"):
         r = results[backend]
         assert r["weights_dtype"] == "torch.bfloat16"  # what engines receive
@@ -53,3 +66,28 @@ def test_the_kit_runs_every_part_on_the_cpu(tmp_path):
         assert math.isfinite(r["mfu"]) and r["mfu"] > 0 and r["tokens_per_s"] > 0
     assert results["engine"]["tokens_per_s"] > 0
     assert results["nccl"]["receiver"]["versions_received"] == 4  # warm-up + 3 timed pushes
+    cases = {(c["tokens"], c["checkpointing"]): c for c in results["plan"]["cases"]}
+    assert set(cases) == {(n, ck) for n in (16, 64, 4000000000) for ck in (False, True)}
+    for ckpt in (False, True):
+        assert cases[16, ckpt]["status"] == cases[64, ckpt]["status"] == "ok"
+        assert cases[16, ckpt]["plan_bytes"] < cases[64, ckpt]["plan_bytes"]
+        refused = cases[4000000000, ckpt]
+        assert refused["status"] == "skipped" and "the plan needs" in refused["why"]
+    assert cases[64, True]["plan_bytes"] < cases[64, False]["plan_bytes"]  # checkpointing
+
+
+def test_the_default_run_is_bounded_within_a_short_gpu_loan():
+    with open(os.path.join(REPO, "scripts", "gpu_check.sh")) as f:
+        script = f.read()
+    defaults = dict(re.findall(r"\$\{GPU_CHECK_(\w+)_TIMEOUT-(\d+)\}", script))
+    grace = int(re.search(r"^KILL_GRACE=(\d+)$", script, re.M).group(1))
+    runs = re.search(r"\$\{GPU_CHECK_RUNS-([^}]*)\}", script).group(1).split()
+    assert runs == ["configs/cpu-default.yaml"]
+    assert '"${GPU_CHECK_TESTS:-0}" = 1' in script  # the gpu-marked tests only when asked
+    steps = [int(defaults[k]) for k in ("WHEELS", "PROBE", "PARTS")] + [int(defaults["RUN"])]
+    # 15 + 15 + 225 + 95 s, each with 2 s of kill grace: 358 s, under the 6 minutes a loan
+    # leaves after the machine's start
+    assert sum(steps) + grace * len(steps) <= 6 * 60
+    # Every default part has its own bound, and they end before the script's bound on them all.
+    assert DEFAULT_PARTS.split(",") == list(BOUNDS)
+    assert sum(BOUNDS.values()) <= int(defaults["PARTS"])
