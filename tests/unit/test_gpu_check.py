@@ -91,3 +91,15 @@ def test_the_default_run_is_bounded_within_a_short_gpu_loan():
     # Every default part has its own bound, and they end before the script's bound on them all.
     assert DEFAULT_PARTS.split(",") == list(BOUNDS)
     assert sum(BOUNDS.values()) <= int(defaults["PARTS"])
+
+
+def test_a_part_past_its_bound_is_killed_and_the_json_keeps_what_was_written(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    argv = [sys.executable, "-m", "bench.gpu_check", "--parts", "plan", "--plan-size", "tiny"]
+    argv += ["--bounds", "plan=0.5", "--json", str(out)]
+    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu"}
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "parts failed: plan" in proc.stdout
+    written = json.loads(out.read_text())
+    assert written["results"]["plan"] == {"status": "timed_out", "bound_s": 0.5}
+    assert not (tmp_path / "gpu_check.json.tmp").exists()
