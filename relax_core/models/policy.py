@@ -51,12 +51,16 @@ def for_generation(tokenizer):
     return tokenizer
 
 
+def accelerator() -> torch.device | None:
+    """This process's GPU when it has one (the placement plan's CUDA_VISIBLE_DEVICES says
+    which; every process sees its own as cuda:0), else None."""
+    return torch.device("cuda") if torch.cuda.is_available() else None
+
+
 def on_accelerator(model):
-    """`model` moved to this process's GPU when it has one (the placement plan's
-    CUDA_VISIBLE_DEVICES says which; every process sees its own as cuda:0), else as it is."""
-    if torch.cuda.is_available():
-        return model.to("cuda")
-    return model
+    """`model` moved to this process's GPU (`accelerator`) when it has one, else as it is."""
+    device = accelerator()
+    return model if device is None else model.to(device)
 
 
 def _is_qwen_multimodal(directory: str) -> bool:

@@ -10,6 +10,10 @@ Per step, with policy version v:
   `ready` --> train_on_table (TorchBackend) --> version v+1 --InProcessSync--> TorchEngine
 Rows travel through the same TransferQueue as in async mode, so both modes share one data path
 (each entry committed, then passed on in memory rather than read back).
+On a GPU trainer and engine take turns (train.offload_between_steps): the trainer's state waits
+in host memory while the engine generates; the engine sleeps and the state comes back for the
+reference pass and training; gradients and optimizer state leave before the weights go to the
+engine, and the weights after.
 The controller only sequences the roles and times them; a RunSession holds the parts and the
 resumable state, and checkpoints every `checkpoint_every` steps.
 """
@@ -132,11 +136,11 @@ class ColocateController:
         s, cfg = self.s, self.s.cfg
         v = s.state.policy_version
         t0 = time.perf_counter()
+        self._engine_turn()
         rows, metrics = self._sample_step_batch()
         t1 = time.perf_counter()
         table = self._pass("rollout", rows_to_table(rows), v)
-        if hasattr(s.engine, "sleep"):  # an SGLang server gives its GPU memory to the trainer
-            s.engine.sleep()
+        self._trainer_turn()
         t2 = time.perf_counter()
         frozen = [
             (s.ref_model, "ref_logprobs", s.media),  # a copy of the policy: the same media
@@ -178,7 +182,10 @@ class ColocateController:
         )
         t5 = time.perf_counter()
         s.state.policy_version = v + 1
+        if s.gives_back:  # the weights stay for the push; the rest is not needed until then
+            s.backend.offload(weights=False)
         s.sync.push(s.backend.named_weights(), v + 1)
+        self._engine_turn()
         t6 = time.perf_counter()
         staleness = [v - b for b in table.column("behaviour_version_min").to_pylist()]
         step_s = t6 - t0
@@ -201,8 +208,23 @@ class ColocateController:
         s.state.train_seconds += step_s
         return metrics
 
+    def _engine_turn(self) -> None:
+        """The GPU to the engine: the trainer's state to host memory, when it gives it back
+        (already there: nothing moves)."""
+        if self.s.gives_back:
+            self.s.backend.offload()
+
+    def _trainer_turn(self) -> None:
+        """The GPU to the trainer: an SGLang or vLLM server releases its memory, and the
+        trainer's state comes back."""
+        if hasattr(self.s.engine, "sleep"):
+            self.s.engine.sleep()
+        if self.s.gives_back:
+            self.s.backend.reload()
+
     def evaluate(self) -> dict[str, float]:
         s = self.s
+        self._engine_turn()
         if s.env is not None:
             return s.env.evaluate(
                 s.engine, s.eval_prompts, s.cfg.rollout.max_new_tokens, s.cfg.data.eval_size

@@ -83,7 +83,7 @@ def evaluate_checkpoint(
     if not 0 < k <= n_samples:
         raise ValueError(f"evaluate: need 0 < k <= samples, got k={k}, samples={n_samples}")
     checkpoint, model_uri = resolve_target(cfg, checkpoint, model)
-    session = RunSession.from_checkpoint(cfg, checkpoint)
+    session = RunSession.from_checkpoint(cfg, checkpoint, "evaluate")
     state = session.state
     metrics = ColocateController(session).evaluate()
     metrics.update(sampled_pass_at_k(session, n_samples, k, cfg.data.eval_size))

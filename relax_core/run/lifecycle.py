@@ -207,7 +207,7 @@ def start_run(cfg: RunConfig, policy_dir: str) -> str:
         tracking = pool.submit(_open_tracking, cfg, state.run_id)
         try:
             policy = local_policy(policy_dir, options, cfg.storage.scratch_dir)
-            session = RunSession(cfg, policy, state)
+            session = RunSession(cfg, policy, state, "start")
             try:
                 state.eval_before = ColocateController(session).evaluate()
                 monitor, state.tracking_run_id = tracking.result()
@@ -265,7 +265,7 @@ def run_steps(cfg: RunConfig, checkpoint: str, max_steps: int) -> str:
 
 def finish_run(cfg: RunConfig, checkpoint: str) -> dict[str, Any]:
     """Final held-out eval, close the MLflow run, print and return the summary."""
-    session = RunSession.from_checkpoint(cfg, checkpoint)
+    session = RunSession.from_checkpoint(cfg, checkpoint, "evaluate")
     state = session.state
     try:
         after = ColocateController(session).evaluate()

@@ -2,7 +2,11 @@
 
 A RunSession is the sum of its parts (queue, policy + engine + backend, reference model, prompt
 sources, reward function, tracking) plus the resumable RunState. It knows how to load itself from a
-checkpoint and save itself into one; the controller decides when.
+checkpoint and save itself into one; the controller decides when. Only a colocate session that
+trains (`purpose` "train") puts the trainer on the GPU and builds the reference and teacher: a
+run's start (evaluate, write the first checkpoint), an evaluation (a run's finish, a checkpoint's
+evaluation) and every session of an async run (whose trainer is its own service) keep the policy
+in host memory, leaving the GPU to the engines, and an evaluation reads no optimizer state.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import random
+from typing import Literal
 
 import torch
 
@@ -34,18 +39,26 @@ from relax_core.train.factory import has_training_state, make_backend, trainer_d
 from relax_core.train.queue_retention import prune_queue
 from relax_core.train.run_state import RunState, save_run_checkpoint
 
+Purpose = Literal["train", "start", "evaluate"]
+"""What a session is for: training steps, a run's start, or evaluation only (a finish)."""
+
 
 class RunSession:
-    def __init__(self, cfg: RunConfig, model_dir: str, state: RunState) -> None:
+    def __init__(
+        self, cfg: RunConfig, model_dir: str, state: RunState, purpose: Purpose = "train"
+    ) -> None:
         self.cfg = cfg
         self.state = state
+        self.trains = purpose == "train" and cfg.mode == "colocate"
+        """Whether this session steps the optimizer (module doc)."""
         set_outage_limit(cfg.storage.outage_limit_s)
         if cfg.train.torch_threads:
             torch.set_num_threads(cfg.train.torch_threads)
         use_deterministic_kernels(cfg.train.deterministic)
         # Async mode trains in its own trainer service: this session evaluates and writes the
-        # first checkpoint, whatever backend that service uses.
-        self.backend_name = "torch" if cfg.mode == "async" else cfg.train.backend
+        # first checkpoint, whatever backend that service uses. A finish only evaluates.
+        only_evaluates = cfg.mode == "async" or purpose == "evaluate"
+        self.backend_name = "torch" if only_evaluates else cfg.train.backend
         # The trainer's parameters (float32 master weights); engine and reference hold copies
         # in model.dtype.
         self.model, self.tokenizer = load_policy(model_dir, trainer_dtype(cfg, self.backend_name))
@@ -54,18 +67,22 @@ class RunSession:
         self.run_dir = join(cfg.checkpoint.dir, state.run_id)
         """Where the run's checkpoints and reports go (a local directory or a URL)."""
         self.engine = self._engine(cfg, model_dir, state.policy_version)
-        self.backend = make_backend(self.model, cfg, self.backend_name)
+        self.backend = make_backend(self.model, cfg, self.backend_name, trains=self.trains)
+        self.gives_back = getattr(self.backend, "offloading", None) is not None
+        """Whether the trainer's state leaves the GPU while the engine generates
+        (train.offload_between_steps; the backend starts offloaded)."""
         self.sync = InProcessSync([self.engine])
         self.ref_model = None
         """The KL anchor (the starting policy); a LoRA run's is the policy itself with its
         adapters off (`ref_logprobs` below), no second copy."""
-        if cfg.algorithm.kl_coef > 0 and lora.is_lora(self.model):
+        kl = cfg.algorithm.kl_coef > 0 and self.trains  # only training scores rows for a loss
+        if kl and lora.is_lora(self.model):
             self.ref_model = self.model
-        elif cfg.algorithm.kl_coef > 0:
+        elif kl:
             self.ref_model = on_accelerator(self._inference_copy()).eval()
             self.ref_model.requires_grad_(False)
         self.teacher_model = None
-        if cfg.algorithm.distill_coef > 0:
+        if cfg.algorithm.distill_coef > 0 and self.trains:
             self.teacher_model, _ = load_teacher(
                 cfg.algorithm.teacher, self.tokenizer, cfg.model.dtype
             )
@@ -96,13 +113,15 @@ class RunSession:
 
     # ------------------------------------------------------------------ checkpoints
     @classmethod
-    def from_checkpoint(cls, cfg: RunConfig, checkpoint: str) -> RunSession:
+    def from_checkpoint(
+        cls, cfg: RunConfig, checkpoint: str, purpose: Purpose = "train"
+    ) -> RunSession:
         """The session `checkpoint` (a local directory or a URL) left, loaded from a local copy."""
         options, scratch = cfg.storage.options(), cfg.storage.scratch_dir
         path = ckpt.local_checkpoint(checkpoint, options, scratch)
         state = RunState.from_dict(ckpt.read_state(path))
-        session = cls(cfg, path, state)
-        if has_training_state(path, session.backend_name):
+        session = cls(cfg, path, state, purpose)
+        if session.trains and has_training_state(path, session.backend_name):
             session.backend.load(path)
         ref = session.ref_model
         if ref is not None and ref is not session.model and state.policy_dir:

@@ -28,7 +28,7 @@ import torch
 
 from relax_core.config import RunConfig
 from relax_core.plan.devices import Gpu
-from relax_core.plan.memory import trainer_checkpointing
+from relax_core.plan.memory import trainer_checkpointing, trainer_offload
 from relax_core.train.backend import MASTER_WEIGHTS_FILE
 
 
@@ -64,18 +64,26 @@ def trainer_dtype(cfg: RunConfig, backend: str | None = None) -> str:
     return MASTER_DTYPE
 
 
-def make_backend(model, cfg: RunConfig, backend: str | None = None, source: str | None = None):
+def make_backend(
+    model,
+    cfg: RunConfig,
+    backend: str | None = None,
+    source: str | None = None,
+    trains: bool = True,
+):
     """`backend` overrides train.backend ('torch' for a process that only evaluates and writes
     a run's first checkpoint). `model` is loaded in `trainer_dtype(cfg, backend)`; Megatron
     reads each rank's shards from the policy directory `source` when given (`model` may then
-    be a meta-device skeleton, see `trainer_policy`)."""
+    be a meta-device skeleton, see `trainer_policy`). Without `trains` (a process that never
+    steps the optimizer) the torch backend keeps the policy in host memory, off the GPU its
+    engines use."""
     t = cfg.train
     compute = getattr(torch, cfg.model.dtype)
     # Without an entropy term the entropy is a metric: no graph is kept behind it.
     entropy_grad = cfg.algorithm.entropy_coef > 0
     recompute = activation_checkpointing(cfg)
     if (backend or t.backend) == "torch":
-        return _torch_backend(model, cfg, entropy_grad, recompute)
+        return _torch_backend(model, cfg, entropy_grad, recompute, trains)
     device = _trainer_group(cfg.services.trainer_gpus)
     if t.backend == "fsdp":
         from relax_core.train.fsdp import build_fsdp_backend
@@ -113,22 +121,27 @@ def make_backend(model, cfg: RunConfig, backend: str | None = None, source: str 
     )
 
 
-def _torch_backend(model, cfg: RunConfig, entropy_grad: bool, recompute: bool):
+def _torch_backend(model, cfg: RunConfig, entropy_grad: bool, recompute: bool, trains: bool):
     """The torch backend on this process's GPU (or CPU), computing in model.dtype, or in
-    model.matmul_dtype's bf16 linear layers with float32 attention."""
+    model.matmul_dtype's bf16 linear layers with float32 attention. A trainer that gives its
+    GPU back between steps (train.offload_between_steps) starts with its trainable state in
+    host memory: the first step's reload is its first trip to the GPU."""
     from relax_core.models.attention import use_float32_attention
+    from relax_core.models.policy import accelerator
     from relax_core.models.precision import resolve_matmul_dtype
     from relax_core.train.torch_backend import build_backend
 
-    if torch.cuda.is_available():  # the trainer's GPU; log-probs come back to the CPU rows
-        model.to("cuda")
+    device = accelerator() if trains else None  # log-probs come back to the CPU rows
+    offload = trains and trainer_offload(cfg, on_gpu=device is not None)
+    if device is not None and not offload:
+        model.to(device)
     compute = getattr(torch, cfg.model.dtype)
     weights = None
     if cfg.model.matmul_dtype:  # bf16 matmuls, or auto's float32: float32 attention, packed
         use_float32_attention(model)
     if matmul_name := resolve_matmul_dtype(cfg.model.matmul_dtype):  # bf16 linear layers
         compute, weights = getattr(torch, matmul_name), compute
-    return build_backend(
+    built = build_backend(
         model,
         cfg.train,
         cfg.rollout.temperature,
@@ -136,7 +149,13 @@ def _torch_backend(model, cfg: RunConfig, entropy_grad: bool, recompute: bool):
         weights_dtype=weights,
         entropy_grad=entropy_grad,
         activation_checkpointing=recompute,
+        device=device,
     )
+    if offload:  # trainable state to the host store, then the rest (a frozen base, buffers)
+        built.offload()
+        if device is not None:
+            model.to(device)
+    return built
 
 
 def activation_checkpointing(cfg: RunConfig) -> bool:

@@ -131,7 +131,7 @@ def resident_bytes(
     """Bytes of the trainer's parameters, gradients and optimizer state on `device` (each
     storage once): what it holds there in the phase this is called in."""
     device = torch.device(device)
-    seen: set[int] = set()
+    seen: dict[int, torch.Tensor] = {}  # holding each tensor keeps its id unique meanwhile
 
     def on_device(tensors: Iterator[torch.Tensor | None]) -> int:
         total = 0
@@ -139,8 +139,9 @@ def resident_bytes(
             if t is None or t.device != device:
                 continue
             storage = t.untyped_storage()
-            if storage.data_ptr() not in seen and storage.nbytes():
-                seen.add(storage.data_ptr())
+            key = storage.data_ptr() or id(t)  # a meta tensor has no address
+            if key not in seen and storage.nbytes():
+                seen[key] = t
                 total += storage.nbytes()
         return total
 
