@@ -33,10 +33,10 @@ def test_flop_count_of_a_qwen3_forward_by_hand():
 def test_the_kit_runs_every_part_on_the_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     args = "--size tiny --steps 2 --seqs 4 --micro 2 --prompt 8 --response 8"
-    args += " --gen-batch 4 --gen-tokens 8 --parts peak,torch,fsdp,engine,nccl,plan,sglang_ipc"
-    # The plan part at the tiny shape: micro-batches of 1 and 4 sequences, and one the plan
-    # refuses on the card it plans for (nothing of it runs).
-    args += " --plan-size tiny --plan-tokens 16,64,4000000000"
+    args += " --gen-batch 4 --gen-tokens 8 --parts peak,torch,fsdp,engine,nccl,plan"
+    # The plan part at the tiny shape: a micro-batch of one sequence, and one the plan refuses
+    # on the card it plans for (nothing of it runs).
+    args += " --plan-size tiny --plan-tokens 16,4000000000"
     # The GPU bounds are a loan's; a loaded 2-core box needs more.
     generous = ",".join(f"{name}=300" for name in BOUNDS)
     args += f" --bounds {generous}"
@@ -52,8 +52,6 @@ def test_the_kit_runs_every_part_on_the_cpu(tmp_path):
     assert proc.stdout.strip().splitlines()[-1].startswith("headline: gpu_check_torch_mfu = ")
     written = json.loads(out.read_text())
     results = written["results"]
-    ipc = results.pop("sglang_ipc")
-    assert ipc["status"] == "skipped" and "CUDA IPC needs a GPU" in ipc["why"]
     assert {name: r["status"] for name, r in results.items()} == dict.fromkeys(results, "ok")
     assert written["bounds_s"] == dict.fromkeys(BOUNDS, 300.0)
     for backend in ("torch", "fsdp"):
@@ -67,13 +65,13 @@ def test_the_kit_runs_every_part_on_the_cpu(tmp_path):
     assert results["engine"]["tokens_per_s"] > 0
     assert results["nccl"]["receiver"]["versions_received"] == 4  # warm-up + 3 timed pushes
     cases = {(c["tokens"], c["checkpointing"]): c for c in results["plan"]["cases"]}
-    assert set(cases) == {(n, ck) for n in (16, 64, 4000000000) for ck in (False, True)}
+    assert set(cases) == {(n, ck) for n in (16, 4000000000) for ck in (False, True)}
     for ckpt in (False, True):
-        assert cases[16, ckpt]["status"] == cases[64, ckpt]["status"] == "ok"
-        assert cases[16, ckpt]["plan_bytes"] < cases[64, ckpt]["plan_bytes"]
+        assert cases[16, ckpt]["status"] == "ok"
         refused = cases[4000000000, ckpt]
         assert refused["status"] == "skipped" and "the plan needs" in refused["why"]
-    assert cases[64, True]["plan_bytes"] < cases[64, False]["plan_bytes"]  # checkpointing
+        assert refused["plan_bytes"] > 79 * 2**30 > cases[16, ckpt]["plan_bytes"]
+    assert cases[16, True]["plan_bytes"] < cases[16, False]["plan_bytes"]  # checkpointing
 
 
 def test_the_default_run_is_bounded_within_a_short_gpu_loan():
