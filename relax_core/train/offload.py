@@ -10,13 +10,14 @@ the engine's server can map them; on a CPU the host is the same memory and nothi
 Frozen parameters (a LoRA run's base, which a torch engine may share) stay where they are.
 
 `resident_bytes` is the CUDA-free proxy of what a trainer holds on its device in a phase: the
-bytes of its parameters, gradients and optimizer state found there.
+bytes of its parameters, gradients and optimizer state found there; `colocate_turn_bytes` reads
+it in each phase of one colocate step (bench/offload_phases.py, tests/unit/test_offload.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -152,3 +153,23 @@ def resident_bytes(
         "grads": on_device(p.grad for p in params),
         "optimizer": on_device(v for v in states if isinstance(v, torch.Tensor)),
     }
+
+
+def colocate_turn_bytes(backend, train: Callable[[], object]) -> dict[str, dict[str, int]]:
+    """One colocate step's turns on a torch `backend` that gives its device back: its state
+    reloaded and `train()` run (the train phase), gradients and optimizer state out before the
+    weight push (update), the weights out while the engine generates (generate). Returns
+    `resident_bytes` of each phase on the backend's device; on a GPU, compare them with
+    torch.cuda.memory_allocated() read at the same points."""
+
+    def now() -> dict[str, int]:
+        return resident_bytes(backend.model, backend.optimizer, backend.device)
+
+    backend.reload()
+    train()
+    phases = {"train": now()}
+    backend.offload(weights=False)
+    phases["update"] = now()
+    backend.offload()
+    phases["generate"] = now()
+    return phases

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from relax_core.config import ModelConfig, TrainConfig
 from relax_core.models.tiny import build_tiny_qwen3
-from relax_core.train.offload import resident_bytes
+from relax_core.train.offload import colocate_turn_bytes, resident_bytes
 from relax_core.train.torch_backend import OPTIMIZER_FILE, build_backend
 from tests.unit.test_activation_checkpointing import _loss, _micro_batch
 
@@ -32,20 +32,17 @@ def _resident(backend) -> dict[str, int]:
 
 
 def _taking_turns(backend, mb) -> tuple[list[float], dict[str, list[dict[str, int]]]]:
-    """STEPS colocate steps: the state back for training, gradients and optimizer state out
-    before the weight push, the weights out while the engine generates. Returns the losses and
-    the proxy's bytes in each phase."""
+    """STEPS colocate steps (train, update, generate: offload.colocate_turn_bytes), as a GPU
+    trainer starts, with its state in host memory. Returns the losses and each phase's bytes."""
     losses, phases = [], {"train": [], "update": [], "generate": []}
-    backend.offload()  # as a GPU trainer starts: its state in host memory
-    for _ in range(STEPS):
-        backend.reload()
+    backend.offload()
+
+    def train():
         losses.append(backend.train_step([mb], _loss)["loss"])
-        phases["train"].append(_resident(backend))
-        backend.offload(weights=False)
-        assert sum(1 for _ in backend.named_weights()) > 0  # the push reads the weights
-        phases["update"].append(_resident(backend))
-        backend.offload()
-        phases["generate"].append(_resident(backend))
+
+    for _ in range(STEPS):
+        for phase, held in colocate_turn_bytes(backend, train).items():
+            phases[phase].append(held)
     return losses, phases
 
 
