@@ -54,7 +54,9 @@ def for_generation(tokenizer):
 def accelerator() -> torch.device | None:
     """This process's GPU when it has one (the placement plan's CUDA_VISIBLE_DEVICES says
     which; every process sees its own as cuda:0), else None."""
-    return torch.device("cuda") if torch.cuda.is_available() else None
+    if not torch.cuda.is_available():
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def on_accelerator(model):

@@ -24,6 +24,11 @@ import torch
 HOST = torch.device("cpu")
 
 
+def on(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether `tensor` is on `device` ('cuda' without an index: any GPU of this process)."""
+    return tensor.device.type == device.type and device.index in (None, tensor.device.index)
+
+
 def _placeholder(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=tensor.dtype, device=device)
 
@@ -48,7 +53,7 @@ class StateOffload:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def _to_host(self, key: tuple[int, str], tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.device == HOST:
+        if on(tensor, HOST):
             return tensor
         buffer = self._pinned.get(key)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
@@ -110,8 +115,8 @@ class StateOffload:
                     if isinstance(value, torch.Tensor):
                         self.states[(p, key)] = value
                         # torch keeps a step count on the CPU unless fused or capturable
-                        on = self.device if key != "step" or id(p) in steps_on_device else HOST
-                        self.optimizer.state[p][key] = _placeholder(value, on)
+                        where = self.device if key != "step" or id(p) in steps_on_device else HOST
+                        self.optimizer.state[p][key] = _placeholder(value, where)
 
     def _steps_on_device(self) -> set[int]:
         """Ids of the parameters whose optimizer keeps its step count on their device."""
@@ -137,7 +142,7 @@ def resident_bytes(
     def on_device(tensors: Iterator[torch.Tensor | None]) -> int:
         total = 0
         for t in tensors:
-            if t is None or t.device != device:
+            if t is None or not on(t, device):
                 continue
             storage = t.untyped_storage()
             key = storage.data_ptr() or id(t)  # a meta tensor has no address
