@@ -6,18 +6,22 @@ everything, and its checkpoints are the same."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from relax_core.config import ModelConfig, TrainConfig
+from relax_core.config import ConfigError, ModelConfig, TrainConfig, load_config, replace
 from relax_core.models.tiny import build_tiny_qwen3
+from relax_core.plan.memory import trainer_offload
 from relax_core.train.offload import colocate_turn_bytes, resident_bytes
 from relax_core.train.torch_backend import OPTIMIZER_FILE, build_backend
 from tests.unit.test_activation_checkpointing import _loss, _micro_batch
 
 STEPS = 2
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _backend():
@@ -106,3 +110,21 @@ def test_the_weights_cannot_be_read_while_they_are_in_host_memory():
         next(backend.named_weights())
     backend.reload()
     assert all(p.numel() > 0 for _, p in backend.named_weights())
+
+
+def test_who_gives_the_gpu_back_and_what_the_config_refuses():
+    colocate = load_config(REPO / "configs" / "qwen3-4b-8xgpu-colocate.yaml")
+    assert trainer_offload(colocate, on_gpu=True)  # auto: trainer and engine share GPU 0
+    assert not trainer_offload(colocate, on_gpu=False)  # a CPU: nothing to give back
+    assert not trainer_offload(replace(colocate, train={"backend": "fsdp"}), on_gpu=True)
+    assert not trainer_offload(load_config(REPO / "configs" / "qwen3-4b-8xgpu.yaml"), True)
+    on_cpu = replace(
+        load_config(REPO / "configs" / "cpu-default.yaml"), train={"offload_between_steps": "on"}
+    )
+    assert trainer_offload(on_cpu, on_gpu=False)  # asked for: measured on a CPU
+    with pytest.raises(ConfigError, match="train.offload_between_steps: 'on' needs mode colocate"):
+        replace(
+            load_config(REPO / "configs" / "cpu-async.yaml"), train={"offload_between_steps": "on"}
+        )
+    with pytest.raises(ConfigError, match="'sometimes' is not one of auto, on, off"):
+        replace(colocate, train={"offload_between_steps": "sometimes"})
