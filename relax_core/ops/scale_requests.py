@@ -75,8 +75,11 @@ def probe_server(url: str, engine: str = "sglang") -> None:
     """ApiError 400 unless `url` answers as a server of the run's rollout.engine: healthy, and
     for vLLM with the RL API the trainer's weight updates go through."""
     what = "a vLLM" if engine == "vllm" else "an SGLang"
+    # SGLang's /health generates a token (a second or more, 503 while paused); its /ready is
+    # the cheap check. vLLM's /health is cheap.
+    path = "/health" if engine == "vllm" else "/ready"
     try:
-        SGLangClient(url, timeout_s=5.0).get("/health")
+        SGLangClient(url, timeout_s=5.0).get(path)
     except SGLangError as err:
         raise ApiError(400, f"{url} does not answer as {what} server: {err}") from err
     if engine == "vllm":

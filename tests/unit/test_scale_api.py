@@ -236,11 +236,12 @@ def test_relax_scale_shows_grows_and_explains_a_missing_run(api, tmp_path, capsy
 
 @pytest.fixture
 def sglang_health():
-    """A server that answers GET /health as SGLang does (200, empty body)."""
+    """A paused SGLang server's answers: GET /ready 200 (it is up; 0.5.23's cheap check),
+    GET /health 503 (0.5.23 generates a token there, and answers 503 while paused)."""
 
     class Health(BaseHTTPRequestHandler):
         def do_GET(self):
-            self.send_response(200 if self.path == "/health" else 404)
+            self.send_response({"/ready": 200, "/health": 503}.get(self.path, 404))
             self.send_header("Content-Length", "0")
             self.end_headers()
 
