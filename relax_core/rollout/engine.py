@@ -9,7 +9,7 @@ chat template stay in one place (the rollout role) whatever serves the model.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -69,3 +69,32 @@ class RolloutEngine(Protocol):
     def health(self) -> dict[str, object]:
         """Liveness and the policy version served."""
         ...
+
+
+MAX_ABORT_RETRIES = 8
+"""How many times in a row a server engine asks again for samples a pause aborted."""
+
+
+def without_aborts(
+    count: int,
+    attempt: Callable[[list[int]], list[Completion]],
+    refused: Callable[[int], Exception],
+) -> tuple[list[Completion], int]:
+    """Completions of prompts 0..count-1, none cut by an abort pause: `attempt(indices)` returns
+    the completions of those prompts in order, and the aborted ones (finish_reason 'abort') are
+    asked for again, up to MAX_ABORT_RETRIES times, then `refused(still aborted)` is raised.
+    Returns (completions in prompt order, samples asked for again)."""
+    out: list[Completion | None] = [None] * count
+    todo, again = list(range(count)), 0
+    for _ in range(MAX_ABORT_RETRIES + 1):
+        aborted = []
+        for i, completion in zip(todo, attempt(todo), strict=True):
+            if completion.finish_reason == "abort":
+                aborted.append(i)
+            else:
+                out[i] = completion
+        if not aborted:
+            return [c for c in out if c is not None], again
+        again += len(aborted)
+        todo = aborted
+    raise refused(len(todo))

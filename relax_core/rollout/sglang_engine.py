@@ -50,14 +50,16 @@ from typing import Any
 
 import numpy as np
 
-from relax_core.rollout.engine import Completion, SamplingParams
+from relax_core.rollout.engine import (
+    MAX_ABORT_RETRIES,
+    Completion,
+    SamplingParams,
+    without_aborts,
+)
 from relax_core.rollout.server_client import ServerClient
 from relax_core.rollout.server_client import ServerError as SGLangError
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-MAX_ABORT_RETRIES = 8
-"""An aborted sample is asked for again at most this many times in one generate call (an abort
-comes from a weight update or a draining server, each of which ends)."""
 MIN_TOKENS_PER_S = 50.0
 """A floor on a server's decode rate over a whole batch: a `/generate` call is given the client's
 timeout plus its tokens at this rate before its socket gives up."""
@@ -141,24 +143,16 @@ class SGLangEngine:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         self._check_context(prompts, params)
-        out: list[Completion | None] = [None] * len(prompts)
-        todo = list(range(len(prompts)))
-        for _ in range(MAX_ABORT_RETRIES + 1):
-            done = self._generate_once([prompts[i] for i in todo], params)
-            aborted = []
-            for i, completion in zip(todo, done, strict=True):
-                if completion.finish_reason == "abort":
-                    aborted.append(i)
-                else:
-                    out[i] = completion
-            if not aborted:
-                return [c for c in out if c is not None]
-            self.aborted_retries += len(aborted)
-            todo = aborted
-        raise SGLangError(
-            f"{self.client.url}: {len(todo)} samples aborted {MAX_ABORT_RETRIES + 1} times in a "
-            "row; is the server being paused with mode 'abort' without end?"
+        out, again = without_aborts(
+            len(prompts),
+            lambda todo: self._generate_once([prompts[i] for i in todo], params),
+            lambda left: SGLangError(
+                f"{self.client.url}: {left} samples aborted {MAX_ABORT_RETRIES + 1} times in a "
+                "row; is the server being paused with mode 'abort' without end?"
+            ),
         )
+        self.aborted_retries += again
+        return out
 
     def _generate_once(self, prompts: list[list[int]], params: SamplingParams) -> list:
         first = self.version

@@ -27,7 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from relax_core.config.services import VLLM_PAUSE_MODES as PAUSE_MODES
-from relax_core.rollout.engine import Completion, SamplingParams
+from relax_core.rollout.engine import (
+    MAX_ABORT_RETRIES,
+    Completion,
+    SamplingParams,
+    without_aborts,
+)
 from relax_core.rollout.server_client import ServerClient, ServerError
 from relax_core.rollout.sglang_engine import adapter_version, parse_version, served_adapters
 
@@ -36,9 +41,6 @@ RL_API_HINT = (
     "start it with VLLM_SERVER_DEV_MODE=1 (the RL API: /pause, /resume, weight transfer) and "
     "--enable-scale-out (/inference/v1/generate)"
 )
-MAX_ABORT_RETRIES = 8
-"""An aborted sample is asked for again at most this many times in one generate call (an abort
-comes from a weight update or a draining server, each of which ends)."""
 
 
 class VLLMError(ServerError):
@@ -80,25 +82,20 @@ class VLLMEngine:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         self._check_context(prompts, params)
-        out: list[Completion | None] = [None] * len(prompts)
-        todo = list(range(len(prompts)))
-        for _ in range(MAX_ABORT_RETRIES + 1):
+
+        def attempt(todo: list[int]) -> list[Completion]:
             adapter = self._adapter_to_serve() if self.lora else None
             first = self.version
             futures = [(i, self._pool.submit(self._one, prompts[i], params, adapter)) for i in todo]
-            aborted = []
-            for i, future in futures:
-                completion = self._completion(future.result(), first, i)
-                if completion.finish_reason == "abort":
-                    aborted.append(i)
-                else:
-                    out[i] = completion
-            if not aborted:
-                return [c for c in out if c is not None]
-            self.aborted_retries += len(aborted)
-            todo = aborted
-        raise VLLMError(
-            f"{self.client.url}: {len(todo)} samples aborted {MAX_ABORT_RETRIES + 1} times in a "
+            return [self._completion(future.result(), first, i) for i, future in futures]
+
+        out, again = without_aborts(len(prompts), attempt, self._aborted_too_often)
+        self.aborted_retries += again
+        return out
+
+    def _aborted_too_often(self, left: int) -> VLLMError:
+        return VLLMError(
+            f"{self.client.url}: {left} samples aborted {MAX_ABORT_RETRIES + 1} times in a "
             "row; is the server draining or being paused with mode 'abort' without end?"
         )
 
