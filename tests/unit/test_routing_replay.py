@@ -196,6 +196,7 @@ class _Canned:
     """An SGLang client stand-in answering /generate with fixed results."""
 
     url = "http://sglang.test"
+    timeout_s = 600.0
 
     def __init__(self, answers):
         self.answers, self.bodies = answers, []
@@ -203,6 +204,10 @@ class _Canned:
     def post(self, path, body=None, timeout_s=None):
         self.bodies.append(body)
         return self.answers
+
+    def get(self, path, timeout_s=None):
+        assert path == "/server_info", path  # what the engine asks before it generates
+        return {"context_length": 512, "tp_size": 1, "dp_size": 1}
 
 
 def _sglang_answer(output_ids, experts: np.ndarray | None) -> dict:
