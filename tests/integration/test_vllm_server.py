@@ -67,14 +67,19 @@ def served(tmp_path_factory):
         server.stop()
 
 
-def push(state, model, mode: str = "wait", sender_class=VLLMSender) -> int:
-    """Send `model` to the server as the next version; returns that version."""
+def push(state, model, mode: str = "wait", sender_class=VLLMSender, ready=None) -> int:
+    """Send `model` to the server as the next version; returns that version. `ready`: wait
+    for it (a callable) once the weight group has formed, so the update itself starts with
+    the pause."""
     version = state["version"] + 1
     named = list(model.named_parameters())
     sender = sender_class(
         [("e0", state["client"].url)], specs_of(named), timeout_s=120.0, pause_mode=mode
     )
     try:
+        sender.init()
+        if ready is not None:
+            ready()
         sender.push(iter(named), version)
     finally:
         sender.destroy()
@@ -166,12 +171,15 @@ def update_in_flight(served, mode: str, sender_class=VLLMSender):
     gen = threading.Thread(
         target=lambda: box.update(out=engine.generate(prompts, SamplingParams(max_new_tokens=240)))
     )
-    gen.start()
-    deadline = time.monotonic() + 60
-    while running_requests(served["client"].url) < 4:
-        assert time.monotonic() < deadline and gen.is_alive(), "no requests ran"
-        time.sleep(0.01)
-    version = push(served, new, mode, sender_class)
+
+    def in_flight() -> None:  # the group is formed: what follows the wait is the pause
+        gen.start()
+        deadline = time.monotonic() + 60
+        while running_requests(served["client"].url) < 4:
+            assert time.monotonic() < deadline and gen.is_alive(), "no requests ran"
+            time.sleep(0.01)
+
+    version = push(served, new, mode, sender_class, ready=in_flight)
     gen.join(120)
     assert not gen.is_alive()
     return prompts, box["out"], old, new, version, engine
