@@ -30,7 +30,7 @@ class EvalSummary:
 register_cached_type(EvalSummary)
 
 
-@task(**registered("evaluate_checkpoint"), retries=1)
+@task(**registered("evaluate_checkpoint"))
 def evaluate_checkpoint(
     cfg: RunConfig, checkpoint: str, model: str, k: int, samples: int
 ) -> EvalSummary:

@@ -10,11 +10,12 @@ a CPU run's wall time; a string costs nothing. The interfaces that do name `RunC
 task, the `train` and `evaluate` workflows) share one build of its literal type
 (tasks/flyte_types.py).
 
-Resources are what a cluster schedules (local execution ignores them), decided from the run
-config by tasks/resources.py: the decorators carry the registration config's ($RELAX_CONFIG, else
-the default: CPU only), and workflows/train.py's @dynamic nodes give the tasks they start the
-run's own. rl_steps is interruptible (spot capacity): a preempted node restarts from the newest
-checkpoint it or an earlier attempt saved.
+Resources, timeouts and retries are what a cluster schedules (local execution ignores them),
+decided from the run config by relax_core/ops/asks.py: the decorators carry the registration
+config's ($RELAX_CONFIG, else the default: CPU only), and workflows/train.py's @dynamic nodes give
+the tasks they start the run's own. rl_steps is interruptible (spot capacity): a preempted node
+restarts from the newest checkpoint it or an earlier attempt saved. prepare_policy's Flyte cache
+is versioned by the source of the code that prepares policies (relax_core/run/policy_code.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import NamedTuple
 
 from flytekit import task
@@ -34,6 +34,7 @@ from flytekit.deck import DeckField
 from relax_core.config import RunConfig, config_to_dict
 from relax_core.config.sections import StorageConfig
 from relax_core.run import prepare
+from relax_core.run.policy_code import policy_code_version
 from relax_core.storage import parent, where
 from tasks.flyte_types import register_cached_type, register_run_config
 from tasks.resources import registered
@@ -100,13 +101,7 @@ def prepare_data(cfg: RunConfig) -> Prepared:
     )
 
 
-@task(
-    **registered("prepare_policy"),
-    cache=True,
-    cache_version="1",
-    retries=1,
-    timeout=timedelta(hours=2),
-)
+@task(**registered("prepare_policy"), cache=True, cache_version=policy_code_version())
 def prepare_policy(spec_json: str, cache_dir: str, storage_json: str) -> str:
     """The starting policy: tiny model + supervised warm start, or a converted pretrained model.
 
@@ -127,7 +122,7 @@ def policy_spec(cfg_json: str, data_fingerprint: str) -> str:
     return policy_spec_for(_cfg(cfg_json), data_fingerprint).to_json()
 
 
-@task(**registered("start_run"), retries=1, timeout=timedelta(hours=1))
+@task(**registered("start_run"))
 def start_run(cfg_json: str, policy_dir: str) -> str:
     """New run: held-out eval at step 0 and checkpoint v0. Resume: the checkpoint to continue."""
     from relax_core.run import lifecycle
@@ -135,12 +130,7 @@ def start_run(cfg_json: str, policy_dir: str) -> str:
     return lifecycle.start_run(_cfg(cfg_json), policy_dir)
 
 
-@task(
-    **registered("rl_steps"),
-    retries=3,
-    interruptible=True,
-    timeout=timedelta(hours=6),
-)
+@task(**registered("rl_steps"))
 def rl_steps(cfg_json: str, checkpoint: str) -> str:
     """Up to `train.steps_per_node` RL steps from `checkpoint`; returns the newest checkpoint.
 
@@ -154,11 +144,7 @@ def rl_steps(cfg_json: str, checkpoint: str) -> str:
     return lifecycle.run_steps(cfg, start, cfg.train.steps_per_node)
 
 
-@task(
-    **registered("async_local"),
-    retries=1,
-    timeout=timedelta(hours=12),
-)
+@task(**registered("async_local"))
 def async_local(cfg_json: str, checkpoint: str) -> str:
     """Async mode on one machine: every role as a supervised OS process; returns the final
     checkpoint. (flytekit's local execution runs nodes one after another, so role tasks could
@@ -197,11 +183,7 @@ def _serve_ranks(cfg_json: str, checkpoint: str) -> None:
     subprocess.run(cmd, check=True)
 
 
-@task(
-    **registered("trainer_service"),
-    retries=3,
-    timeout=timedelta(hours=12),
-)
+@task(**registered("trainer_service"))
 def trainer_service(cfg_json: str, checkpoint: str) -> str:
     """Async mode on a cluster: the trainer role; returns the final checkpoint. A retry
     resumes from the newest checkpoint with the exact `ready` position."""
@@ -218,43 +200,33 @@ def trainer_service(cfg_json: str, checkpoint: str) -> str:
     return list_checkpoints(parent(start), options)[-1]
 
 
-@task(
-    **registered("rollout_service"),
-    retries=3,
-    interruptible=True,
-    timeout=timedelta(hours=12),
-)
+@task(**registered("rollout_service"))
 def rollout_service(cfg_json: str, checkpoint: str, worker: int) -> None:
     """Async mode on a cluster: one rollout worker (engine + rewards); interruptible, since
     admission tickets and queue commits make a restarted worker lose and repeat nothing."""
     _serve("rollout", cfg_json, checkpoint, worker)
 
 
-@task(
-    **registered("sglang_rollout_service"),
-    retries=3,
-    interruptible=True,
-    timeout=timedelta(hours=12),
-)
+@task(**registered("sglang_rollout_service"))
 def sglang_rollout_service(cfg_json: str, checkpoint: str, worker: int) -> None:
     """Async mode on a cluster with `rollout.engine: sglang`: one rollout worker driving the
     SGLang server in its pod's sidecar (tasks/pods.py); the GPU belongs to the sidecar."""
     _serve("rollout", cfg_json, checkpoint, worker)
 
 
-@task(**registered("reference_service"), retries=3, timeout=timedelta(hours=12))
+@task(**registered("reference_service"))
 def reference_service(cfg_json: str, checkpoint: str) -> None:
     """Async mode on a cluster: frozen reference / teacher log-probs."""
     _serve("reference", cfg_json, checkpoint)
 
 
-@task(**registered("actor_fwd_service"), retries=3, timeout=timedelta(hours=12))
+@task(**registered("actor_fwd_service"))
 def actor_fwd_service(cfg_json: str, checkpoint: str) -> None:
     """Async mode on a cluster: proximal log-probs under the newest trainer weights."""
     _serve("actor_fwd", cfg_json, checkpoint)
 
 
-@task(**registered("advantages_service"), retries=3, timeout=timedelta(hours=12))
+@task(**registered("advantages_service"))
 def advantages_service(cfg_json: str, checkpoint: str) -> None:
     """Async mode on a cluster: group-normalized advantages (CPU only)."""
     _serve("advantages", cfg_json, checkpoint)
@@ -262,8 +234,6 @@ def advantages_service(cfg_json: str, checkpoint: str) -> None:
 
 @task(
     **registered("finish_run"),
-    retries=1,
-    timeout=timedelta(hours=1),
     enable_deck=True,
     # Not flytekit's Dependencies page: `pip list` in a subprocess, 1.2 s at the end of every
     # run, for what the registered model's requirements already record; nor this task's source.

@@ -4,30 +4,38 @@
     pyflyte run workflows/train.py train --cfg configs/cpu-async.yaml     # async, local processes
 
 prepare_data (validate, fingerprint, how the steps run) -> policy_spec -> prepare_policy (cached
-warm start) -> start_run (eval at step 0, checkpoint v0) -> the steps -> finish_run (final eval,
-summary). How the steps run is a branch of the graph, chosen by the config:
-- colocate: rl_loop, a recursive @dynamic of rl_steps nodes (`steps_per_node` steps each, every
-  role inside the node, max_staleness 0);
+warm start) -> start_run (eval at step 0, checkpoint v0) -> rl_run (the steps) -> finish_run
+(final eval, summary). rl_run is a @dynamic that builds the steps from the run's own config,
+each node with that config's resources and timeouts (tasks/resources.py: node_overrides):
+- colocate: rl_steps nodes of `steps_per_node` steps each, every role inside the node
+  (max_staleness 0), in rl_segment @dynamic nodes: N nodes go in about sqrt(N) segments of about
+  sqrt(N) nodes (relax_core/ops/asks.py: loop_shape). The graph is three levels deep whatever
+  the run's length: flytekit's local sandbox paths and a cluster's storage keys grow with each
+  nested level, and a recursion one level per node hit the file-name limit at the 30th node
+  locally and S3's 1,024-byte keys near 150 on a cluster; sqrt keeps every @dynamic small (80
+  nodes: 9 segments of at most 9).
 - async-processes (`mode: async`, `services.launch: processes`): one async_local node that starts
   every role as an OS process and supervises it (local execution, or one big pod);
-- async-tasks (`services.launch: tasks`): async_roles, one task per role started side by side
-  (each with the resources the run's own config asks, tasks/resources.py), connected by the
-  queue and the weight-sync group; the trainer task's output (the final checkpoint) is what
-  finish_run waits for.
+- async-tasks (`services.launch: tasks`): one task per role, started side by side (no edges
+  between them), connected by the queue and the weight-sync group; the trainer task's output
+  (the final checkpoint) is what finish_run waits for. (Local execution would run them one after
+  another and never finish: use `services.launch: processes` there.)
 """
 
 from __future__ import annotations
 
-from flytekit import conditional, dynamic, workflow
+from flytekit import dynamic, workflow
 
 from relax_core.config import RunConfig
+from relax_core.ops.asks import loop_shape, remaining_steps, role_tasks, segment_timeout_s
 from relax_core.train.checkpoint import read_state
-from tasks.resources import node_overrides
+from tasks.resources import node_overrides, registered
 from tasks.rl import (
     RunSummary,
     actor_fwd_service,
     advantages_service,
     async_local,
+    execution_of,
     finish_run,
     policy_spec,
     prepare_data,
@@ -40,48 +48,57 @@ from tasks.rl import (
     trainer_service,
 )
 
+ROLE_TASKS = {
+    "rollout_service": rollout_service,
+    "sglang_rollout_service": sglang_rollout_service,
+    "reference_service": reference_service,
+    "actor_fwd_service": actor_fwd_service,
+    "advantages_service": advantages_service,
+    "trainer_service": trainer_service,
+}
 
-def loop_done(cfg_json: str, checkpoint: str) -> bool:
-    """Whether the run of `checkpoint` has trained every step (read from the run's storage)."""
+
+def trained(cfg: RunConfig, checkpoint: str) -> int:
+    """The steps the run of `checkpoint` has trained (read from the run's storage)."""
+    return int(read_state(checkpoint, cfg.storage.options())["policy_version"])
+
+
+@dynamic(**registered("rl_segment"))
+def rl_segment(cfg_json: str, checkpoint: str, nodes: int) -> str:
+    """`nodes` rl_steps nodes, one after another."""
     cfg = RunConfig.from_json(cfg_json)
-    state = read_state(checkpoint, cfg.storage.options())
-    return state["policy_version"] >= cfg.train.total_steps
+    overrides = node_overrides(cfg, rl_steps)
+    for _ in range(nodes):
+        checkpoint = rl_steps(cfg_json=cfg_json, checkpoint=checkpoint).with_overrides(**overrides)
+    return checkpoint
 
 
-@dynamic
-def rl_loop(cfg_json: str, checkpoint: str) -> str:
-    """Recursion instead of a loop: a @dynamic builds its whole graph before running."""
-    if loop_done(cfg_json, checkpoint):
+@dynamic(**registered("rl_run"))
+def rl_run(cfg_json: str, checkpoint: str) -> str:
+    """The steps of the run from `checkpoint` (a new run's version 0, or the one resumed)."""
+    cfg = RunConfig.from_json(cfg_json)
+    left = remaining_steps(cfg, trained(cfg, checkpoint))
+    execution = execution_of(cfg)
+    if execution == "colocate":
+        for nodes in loop_shape(cfg, left):
+            timeout = segment_timeout_s(cfg, nodes)
+            checkpoint = rl_segment(
+                cfg_json=cfg_json, checkpoint=checkpoint, nodes=nodes
+            ).with_overrides(**node_overrides(cfg, rl_segment, left, timeout))
         return checkpoint
-    steps = rl_steps(cfg_json=cfg_json, checkpoint=checkpoint).with_overrides(
-        **node_overrides(RunConfig.from_json(cfg_json), rl_steps)
-    )
-    return rl_loop(cfg_json=cfg_json, checkpoint=steps)
-
-
-@dynamic
-def async_roles(cfg_json: str, checkpoint: str) -> str:
-    """Every role of an async run as its own task, with no edges between them, so a cluster runs
-    them in parallel. (Local execution would run them one after another and never finish: use
-    `services.launch: processes` there.)"""
-    from relax_core.roles.service import stage_chain
-
-    cfg = RunConfig.from_json(cfg_json)
-    rollout = sglang_rollout_service if cfg.rollout.engine == "sglang" else rollout_service
-    for worker in range(cfg.services.rollout_workers):
-        node = rollout(cfg_json=cfg_json, checkpoint=checkpoint, worker=worker)
-        node.with_overrides(**node_overrides(cfg, rollout))
-    services = {
-        "reference": reference_service,
-        "actor_fwd": actor_fwd_service,
-        "advantages": advantages_service,
-    }
-    for role, _, _ in stage_chain(cfg):
-        node = services[role](cfg_json=cfg_json, checkpoint=checkpoint)
-        node.with_overrides(**node_overrides(cfg, services[role]))
-    return trainer_service(cfg_json=cfg_json, checkpoint=checkpoint).with_overrides(
-        **node_overrides(cfg, trainer_service)
-    )
+    if execution == "async-processes":
+        node = async_local(cfg_json=cfg_json, checkpoint=checkpoint)
+        return node.with_overrides(**node_overrides(cfg, async_local, left))
+    *services, trainer = role_tasks(cfg)
+    workers: dict[str, int] = {}
+    for name in services:
+        kwargs = {"cfg_json": cfg_json, "checkpoint": checkpoint}
+        if name.endswith("rollout_service"):
+            kwargs["worker"] = workers[name] = workers.get(name, -1) + 1
+        task = ROLE_TASKS[name]
+        task(**kwargs).with_overrides(**node_overrides(cfg, task, left))
+    node = ROLE_TASKS[trainer](cfg_json=cfg_json, checkpoint=checkpoint)
+    return node.with_overrides(**node_overrides(cfg, ROLE_TASKS[trainer], left))
 
 
 @workflow
@@ -93,13 +110,5 @@ def train(cfg: RunConfig) -> RunSummary:
         spec_json=spec, cache_dir=prepared.policy_cache, storage_json=prepared.storage_json
     )
     start = start_run(cfg_json=cfg_json, policy_dir=policy_dir)
-    final = (
-        conditional("execution")
-        .if_(prepared.execution == "colocate")
-        .then(rl_loop(cfg_json=cfg_json, checkpoint=start))
-        .elif_(prepared.execution == "async-processes")
-        .then(async_local(cfg_json=cfg_json, checkpoint=start))
-        .else_()
-        .then(async_roles(cfg_json=cfg_json, checkpoint=start))
-    )
+    final = rl_run(cfg_json=cfg_json, checkpoint=start)
     return finish_run(cfg_json=cfg_json, checkpoint=final)

@@ -27,8 +27,11 @@ ACCELERATORS = (
     "nvidia-tesla-t4",
     "nvidia-tesla-v100",
 )
-"""services.accelerator: the NVIDIA GPUs flytekit.extras.accelerators names (the CUDA stacks run
-on nothing else; config/ imports no flytekit, so a test keeps the two lists equal)."""
+"""The NVIDIA GPUs flytekit.extras.accelerators names (config/ imports no flytekit, so a test keeps
+the two lists equal). services.accelerator may name others (another cloud's node label value,
+e.g. GKE's 'nvidia-h100-80gb'): any Kubernetes label value that names an NVIDIA card."""
+LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+"""A Kubernetes label value: propeller makes the accelerator a required node label."""
 SECRET_NAME = re.compile(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?")
 """A Kubernetes object name (an RFC 1123 subdomain), as sglang.api_key_secret must be."""
 PAUSE_MODES = ("retract", "in_place", "abort")
@@ -38,11 +41,19 @@ MEGATRON_KINDS = ("tiny-qwen3", "pretrained")
 
 def check_gpu_stacks(e: list[str], cfg: RunSections) -> None:
     accelerator = cfg.services.accelerator
-    if accelerator and accelerator not in ACCELERATORS:
+    if accelerator and not (LABEL_VALUE.fullmatch(accelerator) and "nvidia" in accelerator):
         e.append(
-            f"services.accelerator: {accelerator!r} is not one of '' (a CPU-only run), "
-            f"{', '.join(ACCELERATORS)}"
+            f"services.accelerator: {accelerator!r} is not an NVIDIA accelerator name (a "
+            "Kubernetes label value with 'nvidia' in it, the value your GPU nodes carry under "
+            f"propeller's gpu-device-node-label), e.g. {', '.join(ACCELERATORS[:5])}; '' = a "
+            "CPU-only run"
         )
+    if cfg.services.gpu_memory_gib < 0:
+        e.append(f"services.gpu_memory_gib: must be >= 0, got {cfg.services.gpu_memory_gib}")
+    for name in ("step_budget_s", "pending_s", "startup_s"):
+        value = getattr(cfg.cluster, name)
+        if not value > 0:
+            e.append(f"cluster.{name}: must be > 0 seconds, got {value}")
     if cfg.rollout.engine == "sglang":
         _check_sglang(e, cfg)
     _check_checkpointing(e, cfg)

@@ -313,3 +313,4 @@ class RunSections:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
+    cluster: svc.ClusterConfig = field(default_factory=svc.ClusterConfig)

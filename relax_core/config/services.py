@@ -151,9 +151,14 @@ class ServicesConfig:
     """GPUs of each rollout worker's engine on a cluster (tensor parallel across them); a run
     takes trainer_gpus + rollout_workers x rollout_gpus."""
     accelerator: str = ""
-    """The GPU a cluster gives every task that holds the model (a Flyte accelerator name, e.g.
-    'nvidia-h100'); empty = a CPU-only run, in which no task asks for a GPU (tasks/resources.py).
-    Local runs ignore it: they use CUDA wherever torch finds it."""
+    """The GPU a cluster gives every task that holds the model: a Flyte accelerator name, which
+    propeller turns into a required node label (its gpu-device-node-label, docs/cluster.md),
+    e.g. 'nvidia-h100' (AWS's label values) or 'nvidia-h100-80gb' (GKE's); empty = a CPU-only
+    run, in which no task asks for a GPU. Local runs ignore it: they use CUDA wherever torch
+    finds it."""
+    gpu_memory_gib: float = 0.0
+    """Memory of one GPU, for the memory plan, when services.accelerator names a card it does
+    not know (relax_core/plan/devices.py); 0 = the card's, from its name."""
 
 
 @dataclass(frozen=True)
@@ -233,3 +238,20 @@ class VLLMConfig:
     """More server arguments, as on a command line (e.g. '--tensor-parallel-size 2')."""
     start_timeout_s: float = 600.0
     """How long a started server may take to load the policy and answer /health."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """How long the tasks of a run on a Flyte cluster may take: every task's timeout is derived
+    from these and the run's steps (relax_core/ops/asks.py). Flyte turns a timeout T into a
+    deadline of T per attempt and 2T from the node's first queueing, which no retry resets
+    (docs/cluster.md, "Timeouts"). Local runs ignore the section."""
+
+    step_budget_s: float = 600.0
+    """The longest one RL step may take on average, its share of evals and checkpoint writes
+    included."""
+    pending_s: float = 3600.0
+    """How long a pod may wait to be scheduled (GPUs free, a node scaled up) before it starts."""
+    startup_s: float = 1200.0
+    """What one attempt spends before its first step: image pull, loading the policy, starting
+    the engine server."""

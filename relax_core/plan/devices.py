@@ -51,3 +51,26 @@ def gpu_named(name: str) -> Gpu:
             return CARDS[candidate]
     short = sorted({k.removeprefix("nvidia-").removeprefix("tesla-") for k in CARDS})
     raise ValueError(f"unknown GPU {name!r}; one of: {', '.join(short)}")
+
+
+def card_of(accelerator: str, memory_gib: float = 0.0) -> Gpu:
+    """The card a `services.accelerator` name means: a Flyte name (`nvidia-h100`), another
+    cloud's node label value naming the same card (GKE's `nvidia-h100-80gb`,
+    `nvidia-h100-mega-80gb`), or, with `memory_gib`, any card of that much memory."""
+    if memory_gib:
+        return Gpu(accelerator, int(memory_gib * GIB))
+    if accelerator in CARDS:
+        return CARDS[accelerator]
+    name = accelerator.lower()
+    # Longest first: 'a100-80gb' before 'a100', 'l4-vws' before 'l4'.
+    tokens = sorted(
+        ((k.removeprefix("nvidia-").removeprefix("tesla-"), k) for k in CARDS),
+        key=lambda t: -len(t[0]),
+    )
+    for token, key in tokens:
+        if f"-{token}-" in f"-{name.removeprefix('nvidia-')}-".replace("-tesla-", "-"):
+            return CARDS[key]
+    raise ValueError(
+        f"services.accelerator: {accelerator!r} names no card the memory plan knows; set "
+        "services.gpu_memory_gib to one GPU's memory (or plan with relax plan --gpu)"
+    )

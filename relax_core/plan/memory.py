@@ -19,7 +19,7 @@ from relax_core.config import RunConfig
 from relax_core.config.checks_gpu import data_parallel
 from relax_core.plan import engines as e
 from relax_core.plan import parts as p
-from relax_core.plan.devices import CARDS, GIB, Gpu, gpu_named
+from relax_core.plan.devices import GIB, Gpu, card_of, gpu_named
 from relax_core.plan.shapes import KNOWN, Shape, model_shape
 
 PROMPT_TOKENS = 256
@@ -78,7 +78,8 @@ def plan_gpu(cfg: RunConfig, gpu: str | None = None) -> Gpu | None:
     """The card to plan for: `gpu` when given, else the config's accelerator; None = CPU."""
     if gpu:
         return gpu_named(gpu)
-    return CARDS.get(cfg.services.accelerator) if cfg.services.accelerator else None
+    s = cfg.services
+    return card_of(s.accelerator, s.gpu_memory_gib) if s.accelerator else None
 
 
 def lengths(cfg: RunConfig) -> Lengths:

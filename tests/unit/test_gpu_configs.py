@@ -128,8 +128,13 @@ def test_the_moe_config_replays_routes_on_megatron():
         ({"train": {"parallel": {"expert": 0}}}, "train.parallel.expert: must be >= 1, got 0"),
         (
             {"services": {"accelerator": "h100"}},
-            "services.accelerator: 'h100' is not one of '' (a CPU-only run), nvidia-a10g",
+            "services.accelerator: 'h100' is not an NVIDIA accelerator name",
         ),
+        (
+            {"services": {"accelerator": "nvidia h100"}},
+            "services.accelerator: 'nvidia h100' is not an NVIDIA accelerator name",
+        ),
+        ({"cluster": {"step_budget_s": 0}}, "cluster.step_budget_s: must be > 0 seconds, got 0"),
         (
             {"rollout": {"engine": "sglang"}, "sglang": {"api_key_secret": "Relax_Key"}},
             "sglang.api_key_secret: 'Relax_Key' is not a Kubernetes secret name",

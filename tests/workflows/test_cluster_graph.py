@@ -1,5 +1,5 @@
 """The cluster graph, serialized offline as `pyflyte register` would: retries, timeouts, caching,
-the branches of `train` and the nightly launch plan's schedule and inputs (what each task asks of
+the nodes of `train` and the nightly launch plan's schedule and inputs (what each task asks of
 a cluster: test_cluster_resources.py). No cluster runs here, so these are what a regression would
 silently drop."""
 
@@ -12,22 +12,35 @@ import msgpack
 import pytest
 from flytekit.configuration import Image, ImageConfig, SerializationSettings
 from flytekit.deck import DeckField
+from flytekit.models.task import Resources as TaskResources
 from flytekit.tools.translator import get_serializable
 
+from relax_core.config import RunConfig
+from relax_core.ops import asks
+from relax_core.run.policy_code import policy_code_version
 from tasks.evaluate import evaluate_checkpoint
 from tasks.rl import (
+    actor_fwd_service,
     advantages_service,
+    async_local,
     finish_run,
+    policy_spec,
+    prepare_data,
     prepare_policy,
     reference_service,
     rl_steps,
     rollout_service,
     sglang_rollout_service,
+    start_run,
     trainer_service,
 )
 from workflows.evaluate import evaluate
 from workflows.launch_plans import NIGHTLY_CRON, nightly_grpo
-from workflows.train import train
+from workflows.train import rl_run, rl_segment, train
+
+TASKS = (prepare_data, policy_spec, prepare_policy, start_run, rl_steps, async_local)
+TASKS += (trainer_service, rollout_service, sglang_rollout_service, reference_service)
+TASKS += (actor_fwd_service, advantages_service, finish_run, evaluate_checkpoint)
 
 IMAGE = "ghcr.io/relax/relax:v1"
 TRAINER_IMAGE = "ghcr.io/relax/relax-trainer:v1"
@@ -57,15 +70,42 @@ def _template(settings, task):
     return get_serializable(OrderedDict(), settings, task).template
 
 
-def test_training_node_is_retried_interruptible_and_bounded(settings):
+def test_every_task_is_retried_and_bounded_as_its_config_asks(settings):
+    # The registration default (no RELAX_CONFIG); timeouts follow the `cluster` section.
+    cfg = RunConfig()
+    for task in TASKS:
+        name = task.name.rsplit(".", 1)[-1]
+        t, ask = _template(settings, task), asks.registered_ask(cfg, name)
+        assert t.metadata.timeout == timedelta(seconds=ask.timeout_s), name
+        assert t.metadata.retries.retries == ask.retries, name
+        assert bool(t.metadata.interruptible) == ask.interruptible, name
     t = _template(settings, rl_steps)
     assert t.metadata.retries.retries == 3
     assert t.metadata.interruptible is True  # safe: it resumes from the newest checkpoint
-    assert t.metadata.timeout == timedelta(hours=6)
+    # pending 1 h + start-up 20 min + 50 steps x 10 min, in whole hours
+    c = cfg.cluster
+    assert (c.pending_s, c.startup_s, c.step_budget_s) == (3600, 1200, 600)
+    assert cfg.train.steps_per_node == 50 and t.metadata.timeout == timedelta(hours=10)
     policy = _template(settings, prepare_policy)
-    assert policy.metadata.discoverable and policy.metadata.discovery_version == "1"
-    assert policy.metadata.timeout == timedelta(hours=2)
+    # Cached on the settings and on the code that prepares policies: an edited warm start
+    # is not served the policies the old one made.
+    assert policy.metadata.discoverable
+    assert policy.metadata.discovery_version == policy_code_version()
     assert _template(settings, evaluate_checkpoint).metadata.retries.retries == 1
+
+
+def test_the_dynamic_nodes_ask_for_their_pods_and_are_retried(settings):
+    for task in (rl_run, rl_segment):
+        t = _template(settings, task)
+        res = {r.name: r.value for r in t.container.resources.requests}
+        lim = {r.name: r.value for r in t.container.resources.limits}
+        cpu, mem = TaskResources.ResourceName.CPU, TaskResources.ResourceName.MEMORY
+        assert (res[cpu], res[mem], lim[cpu], lim[mem]) == ("1", "1Gi", "2", "1Gi"), task.name
+        assert t.metadata.retries.retries == 2, task.name
+    # rl_run holds the whole run: its timeout is the run's, from the registration config.
+    assert _template(settings, rl_run).metadata.timeout == timedelta(
+        seconds=asks.timeout_s(RunConfig(), "rl_run")
+    )
 
 
 def test_finish_run_renders_the_run_report_deck(settings):
@@ -79,7 +119,8 @@ def test_async_role_tasks_are_retried_and_only_rollout_is_interruptible(settings
     for task in (*roles, advantages_service):
         t = _template(settings, task)
         assert t.metadata.retries.retries == 3, task.name
-        assert t.metadata.timeout == timedelta(hours=12), task.name
+        # the whole run: pending + start-up + 100 steps x 10 min
+        assert t.metadata.timeout == timedelta(hours=18), task.name
     for task in (rollout_service, sglang_rollout_service):
         assert _template(settings, task).metadata.interruptible is True, task.name
     # The trainer holds the optimizer state between checkpoints: not on spot capacity.
@@ -91,18 +132,12 @@ def test_workflows_serialize_with_all_their_nodes(settings):
     ids = {n.id: n for n in wf.template.nodes}
     names = sorted(n.metadata.name for n in ids.values())
     assert names == sorted(
-        ["prepare_data", "policy_spec", "prepare_policy", "start_run", "execution", "finish_run"]
+        ["prepare_data", "policy_spec", "prepare_policy", "start_run", "rl_run", "finish_run"]
     )
-    # How the steps run is an explicit branch on prepare_data's `execution` output.
-    branch = next(n for n in ids.values() if n.metadata.name == "execution").branch_node.if_else
-    cases = [branch.case, *branch.other]
-    chosen = {c.condition.comparison.right_value.primitive.string_value: c.then_node for c in cases}
-    assert {k: n.metadata.name for k, n in chosen.items()} == {
-        "colocate": "rl_loop",
-        "async-processes": "async_local",
-    }
-    assert all(c.condition.comparison.left_value.var.endswith(".execution") for c in cases)
-    assert branch.else_node.metadata.name == "async_roles"
+    # How the steps run is decided in rl_run, from the run's own config.
+    (steps,) = (n for n in ids.values() if n.metadata.name == "rl_run")
+    inputs = {b.var: b.binding.promise.var for b in steps.inputs}
+    assert inputs == {"cfg_json": "cfg_json", "checkpoint": "o0"}
     ev = get_serializable(OrderedDict(), settings, evaluate)
     assert [p for p in ev.template.interface.inputs] == [
         "cfg",

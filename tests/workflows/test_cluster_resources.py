@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tarfile
+from datetime import timedelta
 
 import pytest
 from flyteidl.admin import task_pb2
@@ -29,10 +30,10 @@ from flytekit.models.task import TaskSpec
 
 from relax_core.config import RunConfig, config_to_dict, load_config, replace
 from relax_core.config.checks_gpu import ACCELERATORS
-from relax_core.ops import placement
+from relax_core.ops import asks, placement
 from tasks import resources
 from tasks.rl import rl_steps
-from workflows.train import async_roles, rl_loop
+from workflows.train import rl_run, rl_segment
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVE = os.path.join(REPO, "containers", "rollout", "serve.sh")
@@ -237,7 +238,7 @@ SETTINGS = SerializationSettings(
 )
 
 
-def _dynamic_nodes(node, cfg: RunConfig, checkpoint: str) -> dict[str, list]:
+def _dynamic_nodes(node, cfg: RunConfig, checkpoint: str, **more) -> dict[str, list]:
     """The nodes a @dynamic builds on a cluster (as pyflyte-execute compiles it), by task. A
     @dynamic compiles once per process (one pod runs one), so each call takes a fresh one."""
     fresh = dynamic(node.task_function)
@@ -246,7 +247,7 @@ def _dynamic_nodes(node, cfg: RunConfig, checkpoint: str) -> dict[str, list]:
     with FlyteContextManager.with_context(ctx) as ctx:
         state = ctx.execution_state.with_params(mode=ExecutionState.Mode.TASK_EXECUTION)
         with FlyteContextManager.with_context(ctx.with_execution_state(state)) as ctx:
-            inputs = {"cfg_json": cfg_json, "checkpoint": checkpoint}
+            inputs = {"cfg_json": cfg_json, "checkpoint": checkpoint, **more}
             spec = fresh.dispatch_execute(ctx, TypeEngine.dict_to_literal_map(ctx, inputs))
     nodes: dict[str, list] = {}
     for node in spec.nodes:
@@ -262,9 +263,15 @@ def _override_gpus(node) -> int:
     return int(requests[0]) if requests else 0
 
 
-def test_async_roles_gives_each_role_the_run_s_own_resources():
+def _at_step(tmp_path, version: int) -> str:
+    """A checkpoint directory at policy version `version` (what rl_run reads)."""
+    (tmp_path / "state.json").write_text(json.dumps({"policy_version": version, "run_id": "r"}))
+    return str(tmp_path)
+
+
+def test_rl_run_gives_each_role_the_run_s_own_resources(tmp_path):
     # Whatever config the workflows were registered with, the run's config decides.
-    nodes = _dynamic_nodes(async_roles, _cfg("qwen3-30b-a3b-moe-r3"), "/unused")
+    nodes = _dynamic_nodes(rl_run, _cfg("qwen3-30b-a3b-moe-r3"), _at_step(tmp_path, 0))
     (trainer,) = nodes["trainer_service"]
     o = trainer.task_node.overrides
     assert _override_gpus(trainer) == 8 and o.extended_resources.gpu_accelerator.device == (
@@ -289,9 +296,8 @@ def test_async_roles_gives_each_role_the_run_s_own_resources():
     ("name", "gpus", "image"),
     [("qwen3-4b-8xgpu-colocate", 8, IMAGES["trainer"]), ("cpu-default", 0, None)],
 )
-def test_rl_loop_gives_its_steps_the_run_s_own_resources(tmp_path, name, gpus, image):
-    (tmp_path / "state.json").write_text(json.dumps({"policy_version": 0, "run_id": "r"}))
-    (steps,) = _dynamic_nodes(rl_loop, _cfg(name), str(tmp_path))["rl_steps"]
+def test_rl_segment_gives_its_steps_the_run_s_own_resources(tmp_path, name, gpus, image):
+    (steps,) = _dynamic_nodes(rl_segment, _cfg(name), _at_step(tmp_path, 0), nodes=1)["rl_steps"]
     o = steps.task_node.overrides
     # Colocate on SGLang: one server over 8 GPUs (--dp-size 8) takes turns with the trainer.
     assert _override_gpus(steps) == gpus
@@ -351,3 +357,40 @@ def test_a_registration_config_that_does_not_exist_is_named(monkeypatch):
         resources.registration_config.__wrapped__()
     monkeypatch.delenv(resources.CONFIG_ENV)
     assert resources.registration_config.__wrapped__() == RunConfig()
+
+
+@pytest.mark.parametrize(("total", "per_node"), [(2000, 25), (1_000_000, 1)])
+def test_the_loop_is_three_levels_deep_whatever_the_run_s_length(tmp_path, total, per_node):
+    # rl_run -> rl_segment -> rl_steps: no level is added per node, so flytekit's local sandbox
+    # paths and a cluster's storage keys do not grow with the run; no @dynamic holds more than
+    # about sqrt(nodes) nodes.
+    cfg = replace(_cfg("cpu-default"), train={"total_steps": total, "steps_per_node": per_node})
+    nodes = -(-total // per_node)
+    width = -(-int(nodes**0.5) // 1) + 1
+    segments = _dynamic_nodes(rl_run, cfg, _at_step(tmp_path, 0))
+    assert set(segments) == {"rl_segment"}
+    sizes = [_literal_int(n, "nodes") for n in segments["rl_segment"]]
+    assert sum(sizes) == nodes and max(sizes) <= width and len(sizes) <= width
+    if total == 2000:  # the 80 nodes of a 2,000-step run at 25 steps per node
+        assert sizes == [9] * 8 + [8]
+    # Each segment's nodes are rl_steps tasks, and nothing under them is dynamic.
+    steps = _dynamic_nodes(rl_segment, cfg, _at_step(tmp_path, 0), nodes=sizes[0])
+    assert set(steps) == {"rl_steps"} and len(steps["rl_steps"]) == sizes[0]
+    # A segment's deadline covers its nodes one after another, each with its own pending time.
+    seg = segments["rl_segment"][0].metadata.timeout
+    assert seg == timedelta(seconds=sizes[0] * asks.timeout_s(cfg, "rl_steps"))
+
+
+def test_a_resumed_run_builds_only_the_steps_it_has_left(tmp_path):
+    cfg = replace(_cfg("cpu-default"), train={"total_steps": 2000, "steps_per_node": 25})
+    (segment,) = _dynamic_nodes(rl_run, cfg, _at_step(tmp_path, 1990))["rl_segment"]
+    assert _literal_int(segment, "nodes") == 1
+    # An async run's roles get the deadline of the steps left, not of the whole run.
+    async_cfg = replace(cfg, mode="async", services={"launch": "tasks"})
+    (trainer,) = _dynamic_nodes(rl_run, async_cfg, _at_step(tmp_path, 1990))["trainer_service"]
+    assert trainer.metadata.timeout == timedelta(seconds=asks.budget_s(cfg, 10))
+
+
+def _literal_int(node, name: str) -> int:
+    (binding,) = (b for b in node.inputs if b.var == name)
+    return binding.binding.scalar.primitive.integer

@@ -44,7 +44,7 @@ def _pyflyte(cfg_path: str, cwd, **env_vars: str) -> subprocess.CompletedProcess
 
 def test_pyflyte_run_trains_logs_checkpoints_and_resumes(small_config, workdir):
     cfg = small_config(
-        train={"total_steps": 4, "steps_per_node": 2, "checkpoint_every": 2},
+        train={"total_steps": 4, "steps_per_node": 1, "checkpoint_every": 2},
         tracking={"registered_model": "relax-t"},
     )
     # What Flyte sets in every task pod of a cluster execution.
@@ -62,7 +62,8 @@ def test_pyflyte_run_trains_logs_checkpoints_and_resumes(small_config, workdir):
 
     ckpt = find_resume_checkpoint(str(workdir / ".relax" / "checkpoints"), "t")
     state = read_state(ckpt)
-    assert state["policy_version"] == 4  # two rl_steps nodes of 2 steps each
+    # four rl_steps nodes of one step each, in two rl_segment nodes of two
+    assert state["policy_version"] == 4
 
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     run = client.get_run(state["tracking_run_id"])
