@@ -26,7 +26,10 @@ sidecar's GPUs, listening on the pod's address, since the trainer in another pod
 weight updates. The primary publishes `http://<pod IP>:30000` (Kubernetes expands
 `$(RELAX_POD_IP)`, the downward API's status.podIP, in RELAX_SGLANG_URL). Both containers read
 the API key from the run's secret: the server requires it on everything but /health*, and the
-rollout client sends it (relax_core/rollout/sglang_engine.py).
+rollout client sends it (relax_core/rollout/sglang_engine.py). The sidecar ends with the primary
+(a pod ends only when all its containers have, and Flyte keeps finished pods by default): the
+primary writes DONE when it exits and touches HEARTBEAT while it lives, beside the policy, and
+serve.sh stops the server on either.
 """
 
 from __future__ import annotations
@@ -73,7 +76,13 @@ SGLANG_URL = f"http://$(RELAX_POD_IP):{SGLANG_PORT}"
 SECRET_KEY = "api-key"
 """The key, in the run's secret (sglang.api_key_secret), that holds the SGLang API key."""
 MODEL_DIR = "/models"
-"""Shared by the two containers: the primary writes `policy/` and then `policy/READY`."""
+"""Shared by the two containers: the primary writes `policy/` and then `policy/READY`, and beside
+it `HEARTBEAT` while it lives and `DONE` when it exits (relax_core/rollout/sidecar.py)."""
+SIDECAR_GRACE_S = 30
+"""Seconds serve.sh gives the SGLang server between SIGTERM and SIGKILL when it stops it."""
+POD_GRACE_S = SIDECAR_GRACE_S + 15
+"""The rollout pod's terminationGracePeriodSeconds: the kubelet's SIGKILL comes after serve.sh
+has had its grace (and a poll interval) to stop the server, not in the middle of it."""
 PRIMARY = "primary"
 SIDECAR = "sglang"
 GPU = "nvidia.com/gpu"
@@ -133,6 +142,7 @@ def sglang_rollout_pod(
             model_env,
             V1EnvVar(name="SGLANG_HOST", value="0.0.0.0"),
             V1EnvVar(name="SGLANG_PORT", value=str(SGLANG_PORT)),
+            V1EnvVar(name="RELAX_SIDECAR_GRACE_S", value=str(SIDECAR_GRACE_S)),
             api_key_env(api_key_secret),
         ],
         ports=[V1ContainerPort(container_port=SGLANG_PORT, name="sglang")],
@@ -164,5 +174,6 @@ def sglang_rollout_pod(
             containers=[primary, sidecar],
             volumes=[V1Volume(name="models", empty_dir=V1EmptyDirVolumeSource()), _SHM],
             tolerations=_ON_GPU_NODES if gpus else None,
+            termination_grace_period_seconds=POD_GRACE_S,
         ),
     )

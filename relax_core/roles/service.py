@@ -23,6 +23,7 @@ from relax_core.heap import freeze_heap
 from relax_core.queue import TransferQueue, open_queue
 from relax_core.queue.retry import set_outage_limit
 from relax_core.roles.stacks import dump_stacks_on_signal
+from relax_core.rollout.sidecar import tell_sidecar
 from relax_core.storage import where
 from relax_core.train.checkpoint import local_checkpoint
 from relax_core.train.determinism import use_deterministic_kernels
@@ -190,6 +191,8 @@ def run_role(
     dump_stacks_on_signal()
     # Alive from here on, also while the checkpoint download waits out a storage outage.
     alive = beat_locally(f"{role}-{worker}", cfg.services.heartbeat_s, cfg.services.stall_timeout_s)
+    # In the rollout pod: its SGLang sidecar stops when this process ends, however it ends.
+    sidecar_done = tell_sidecar()
     try:
         set_outage_limit(cfg.storage.outage_limit_s)
         use_deterministic_kernels(cfg.train.deterministic)
@@ -208,6 +211,7 @@ def run_role(
         ctx.beat()
     finally:
         alive.set()
+        sidecar_done()
 
 
 def stage_chain(cfg: RunConfig) -> list[tuple[str, str, str]]:

@@ -9,7 +9,8 @@ Two ways a worker gets its server (`rollout.engine: sglang`):
 - **attached**: `sglang.url` (or $RELAX_SGLANG_URL, which the rollout pod sets): the pod's sidecar
   (tasks/pods.py). When $RELAX_MODEL_DIR names the volume the sidecar loads from, the worker
   first publishes the policy there (model files, VERSION, then READY last: containers/rollout/
-  serve.sh waits for READY), then waits for /ready.
+  serve.sh waits for READY), then waits for /ready. The sidecar stops when the worker's process
+  ends (sidecar.py: a heartbeat while it lives, DONE when it exits).
 
 Either way the worker drives it through `SGLangEngine` (sglang_engine.py).
 """
