@@ -1,10 +1,14 @@
 """The role images and the SGLang sidecar's start script (containers/). No image is built here
 (no registry access); these check what a build would silently get wrong: versions that drift
-from pyproject.toml's pins, a sidecar that starts serving a half-written policy, and one that
-serves beyond loopback without an API key."""
+from pyproject.toml's pins, a sidecar that starts serving a half-written policy, one that
+serves beyond loopback without an API key, and a build context (.dockerignore) that leaves out
+what a Dockerfile copies or takes in a local run's checkpoints. The sidecar's lifetime (it stops
+with its run) is tests/integration/test_sidecar_lifecycle.py."""
 
 from __future__ import annotations
 
+import fnmatch
+import glob
 import os
 import re
 import subprocess
@@ -165,3 +169,101 @@ def test_the_image_check_names_an_nccl_build_other_than_the_pin(tmp_path):
     pin.write_text("nvidia-nccl-cu99==2.30.7\n")
     out = subprocess.run([sys.executable, check, str(pin)], capture_output=True, text=True)
     assert out.returncode != 0 and "nvidia-nccl-cu99 is not installed" in out.stderr
+
+
+def _ignore_patterns() -> list[tuple[bool, list[str]]]:
+    """.dockerignore's patterns in order: (an exception `!`, the pattern's path segments)."""
+    out = []
+    for line in _read(".dockerignore").splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate = line.startswith("!")
+        pattern = os.path.normpath(line.lstrip("!").strip().lstrip("/"))
+        out.append((negate, pattern.split("/")))
+    return out
+
+
+def _segments_match(pattern: list[str], path: list[str]) -> bool:
+    """Docker's match (moby/patternmatcher) for patterns without character ranges: `*` and `?`
+    within one path segment (fnmatch on each), `**` any number of segments."""
+    if not pattern:
+        return not path
+    if pattern[0] == "**":
+        return any(_segments_match(pattern[1:], path[i:]) for i in range(len(path) + 1))
+    return (
+        bool(path)
+        and fnmatch.fnmatchcase(path[0], pattern[0])
+        and _segments_match(pattern[1:], path[1:])
+    )
+
+
+def _docker_ignores(path: str, patterns: list[tuple[bool, list[str]]]) -> bool:
+    """Whether a build leaves `path` (relative to the context) out: the last pattern that
+    matches it or a directory above it decides."""
+    parts = path.split("/")
+    ignored = False
+    for negate, pattern in patterns:
+        if any(_segments_match(pattern, parts[:n]) for n in range(1, len(parts) + 1)):
+            ignored = not negate
+    return ignored
+
+
+def _copy_sources(dockerfile: str) -> list[str]:
+    """The context paths a Dockerfile's COPY and ADD instructions read (not --from a stage)."""
+    text = re.sub(r"\\\n", " ", _read(dockerfile))
+    sources = []
+    for line in text.splitlines():
+        words = line.split()
+        if not words or words[0].upper() not in ("COPY", "ADD"):
+            continue
+        args = [w for w in words[1:] if not w.startswith("--")]
+        if any(w.startswith("--from") for w in words[1:]):
+            continue
+        sources += [os.path.normpath(s) for s in args[:-1]]
+    return sources
+
+
+def test_the_build_context_keeps_what_the_dockerfiles_copy_and_leaves_out_local_state():
+    patterns = _ignore_patterns()
+    dockerfiles = ["Dockerfile"] + [
+        os.path.relpath(p, REPO)
+        for p in sorted(glob.glob(os.path.join(REPO, "containers", "*", "Dockerfile*")))
+    ]
+    assert len(dockerfiles) >= 3, dockerfiles
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    for dockerfile in dockerfiles:
+        sources = _copy_sources(dockerfile)
+        assert sources, dockerfile
+        for source in sources:
+            # The source itself and every tracked file under it reach the build.
+            files = [f for f in tracked if f == source or f.startswith(source + "/")]
+            assert files, (dockerfile, source)
+            kept_out = [f for f in [source, *files] if _docker_ignores(f, patterns)]
+            assert not kept_out, (dockerfile, kept_out)
+    # Local state: a run's checkpoints and queue, MLflow's stores, git, archives, caches,
+    # wherever a run or an import left them.
+    for path in (
+        ".relax/runs/r1/checkpoints/step-4/model.safetensors",
+        "configs/.relax/queue/log",
+        ".git/objects/ab/cdef",
+        "mlruns/0/meta.yaml",
+        "mlartifacts/1/model.safetensors",
+        "datasets/mlruns/0/meta.yaml",
+        "relax-0.1.0.tgz",
+        "packages/relax-vllm-weights/relax-vllm-weights-0.1.0.tgz",
+        "relax_core/__pycache__/config.cpython-311.pyc",
+        "packages/relax-vllm-weights/relax_vllm_weights/__pycache__/x.cpython-311.pyc",
+        "packages/relax-vllm-weights/build/lib/relax_vllm_weights/__init__.py",
+        "packages/relax-vllm-weights/relax_vllm_weights.egg-info/PKG-INFO",
+        ".venv/bin/python",
+    ):
+        assert _docker_ignores(path, patterns), path
+    # The matcher is Docker's, not fnmatch's over whole paths: `*` stays within a segment and a
+    # pattern without `**/` matches from the root only.
+    assert not _docker_ignores("relax_core/runs", [(False, ["runs"])])
+    assert not _docker_ignores("a/b.tgz", [(False, ["*.tgz"])])
+    assert _docker_ignores("a/b.tgz", [(False, ["**", "*.tgz"])])
+    assert not _docker_ignores("a/keep.tgz", [(False, ["**", "*.tgz"]), (True, ["a", "keep.tgz"])])
