@@ -13,6 +13,8 @@ from relax_core.config.checks_algorithm import check_algorithm
 from relax_core.config.checks_gpu import check_gpu_stacks
 from relax_core.config.checks_sglang import check_sglang_context
 from relax_core.config.checks_sglang_lora import check_sglang_lora
+from relax_core.config.checks_source import MODEL_URI as MODEL_URI  # tracking/registry.py's
+from relax_core.config.checks_source import source_problems
 from relax_core.config.rules import choice, positive
 from relax_core.config.sections import RewardConfig, RunSections
 
@@ -44,9 +46,6 @@ SERVER_ENGINES = ("sglang", "vllm")
 TINY_POSITIONS = 512
 """Positions of the tiny models (models/tiny.py): prompt + response must fit."""
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-MODEL_URI = re.compile(r"models:/(?P<name>[^/@]+)(/(?P<version>[0-9]+|latest)|@(?P<alias>[\w-]+))")
-"""An MLflow registry reference: models:/<name>/<version>, models:/<name>/latest or
-models:/<name>@<alias>."""
 
 
 def judge_problems(w: RewardConfig) -> list[str]:
@@ -68,7 +67,7 @@ def _check_qwen(e: list[str], cfg: RunSections) -> None:
     if not m.source:
         e.append(
             f"model.source: required when model.kind is {m.kind!r}: a Hugging Face id (e.g. "
-            "Qwen/Qwen3-VL-4B-Instruct) or a model directory"
+            "Qwen/Qwen3-VL-4B-Instruct), a model directory or its URL (s3://...)"
         )
     positive(e, "model.video_fps", m.video_fps)
     if cfg.warm_start.steps:
@@ -219,11 +218,7 @@ def validate(cfg: RunSections) -> list[str]:
         e.append("model.source: required when model.kind is 'pretrained'")
     if m.kind in QWEN_MULTIMODAL:
         _check_qwen(e, cfg)
-    if m.source.startswith("models:") and not MODEL_URI.fullmatch(m.source):
-        e.append(
-            f"model.source: {m.source!r} is not a registry reference; use models:/<name>/<version>, "
-            "models:/<name>/latest or models:/<name>@<alias>"
-        )
+    e += source_problems(m.source)
     positive(e, "tracking.request_timeout_s", cfg.tracking.request_timeout_s)
     if not 0 <= cfg.tracking.request_retries <= 10:
         e.append(f"tracking.request_retries: must be 0-10, got {cfg.tracking.request_retries}")

@@ -8,6 +8,9 @@ A source string names where the weights live:
 - ``gguf:/path/to/file.gguf``: one GGUF file on local disk.
 - any other string: a local directory in Hugging Face format (``config.json`` + safetensors).
 
+A URL (``s3://bucket/models/Qwen3-4B``) is not read here: the run copies a URL model.source to
+local disk first (run/sources.py) and hands this module the copy.
+
 GGUF weights are dequantized to float32 on CPU. Dequantizing takes tens of seconds, so
 ``materialize`` writes the result once as a Hugging Face safetensors directory that later runs load
 in about a second. Nothing here touches the network.
@@ -32,6 +35,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+from relax_core.config.checks_source import is_url_source
 
 GGUF_PACKAGE_PREFIX = "gguf-package:"
 GGUF_FILE_PREFIX = "gguf:"
@@ -62,12 +67,18 @@ def resolve_source(source: str) -> ResolvedSource:
         if not path.is_file():
             raise FileNotFoundError(f"source {source!r}: GGUF file {str(path)!r} does not exist")
         return ResolvedSource("gguf", path)
+    if is_url_source(source):
+        raise ValueError(
+            f"source {source!r} is a URL: only model.source is read from one (the run copies it "
+            "to local disk); give a local model directory or GGUF file here"
+        )
     path = Path(source).expanduser()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"source {source!r} is not a local Hugging Face model directory (no config.json in "
             f"{str(path)!r}); expected '{GGUF_PACKAGE_PREFIX}<package>', "
-            f"'{GGUF_FILE_PREFIX}/path/file.gguf' or a model directory"
+            f"'{GGUF_FILE_PREFIX}/path/file.gguf', a model directory or, as model.source, the "
+            "directory's URL (s3://bucket/models/<name>; a cluster's pods start with empty disks)"
         )
     return ResolvedSource("hf_dir", path)
 

@@ -93,12 +93,12 @@ def memory_plan(cfg: RunConfig, gpu: Gpu | None) -> MemoryPlan:
     """The run's memory on `gpu` cards (None: a CPU run, not planned)."""
     if gpu is None:
         return MemoryPlan(None, _model_name(cfg))
-    shape = model_shape(cfg.model)
+    shape = model_shape(cfg.model, cfg.storage.endpoint_url)
     if shape is None:
         known = ", ".join(KNOWN)
         problem = (
-            f"model.source: the shape of {cfg.model.source!r} is unknown here (not a local "
-            f"directory with config.json, not in relax_core/plan/shapes.py KNOWN: {known})"
+            f"model.source: the shape of {cfg.model.source!r} is unknown here (no config.json "
+            f"readable there, not in relax_core/plan/shapes.py KNOWN: {known})"
         )
         return MemoryPlan(gpu, _model_name(cfg), problems=(problem,))
     n = lengths(cfg)
@@ -115,7 +115,7 @@ def trainer_checkpointing(cfg: RunConfig, gpu: Gpu | None) -> bool:
     setting = cfg.train.activation_checkpointing
     if setting != "auto":
         return setting == "on"
-    shape = model_shape(cfg.model)
+    shape = model_shape(cfg.model, cfg.storage.endpoint_url)
     if gpu is None or shape is None:
         return False
     return _checkpointing(cfg, shape, gpu, lengths(cfg))

@@ -5,15 +5,27 @@
 - a Hugging Face id that is not on this machine: KNOWN, a small table copied from the released
   models' config.json, keyed by id. An id not there has no shape and a GPU plan refuses it,
   naming the table.
+- a URL of a model directory (`s3://bucket/models/Qwen3-4B`): KNOWN's entry of the same name
+  (the directory `hf download Qwen/Qwen3-4B` writes holds that model), else the config.json at
+  the URL, read once per process (never the weights). A store that cannot be read (the shipped
+  configs' placeholder bucket) leaves only the name to go by.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 from dataclasses import dataclass
 
+import fsspec
+
 from relax_core.config import ModelConfig
+from relax_core.config.checks_source import is_url_source, source_name
+from relax_core.config.services import s3_options
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -113,8 +125,10 @@ TINY_VOCAB = 79
 """Vocabulary of the tiny models' char tokenizer (models/tiny.py: 4 specials, 75 characters)."""
 
 
-def model_shape(model: ModelConfig) -> Shape | None:
-    """The policy's shape, or None when neither the config, a local directory nor KNOWN has it."""
+def model_shape(model: ModelConfig, endpoint_url: str = "") -> Shape | None:
+    """The policy's shape, or None when neither the config, a local directory, KNOWN nor the
+    config.json at a URL source has it; `endpoint_url` is an s3:// source's endpoint
+    (storage.endpoint_url)."""
     if model.kind in ("tiny-qwen3", "tiny-omni"):
         moe = model.num_experts > 0
         return Shape(
@@ -131,11 +145,26 @@ def model_shape(model: ModelConfig) -> Shape | None:
             max(1, model.intermediate_size // model.experts_per_token) if moe else 0,
         )
     source = ALIASES.get(model.source, model.source)
+    if is_url_source(source):
+        known = {source_name(k): v for k, v in KNOWN.items()}.get(source_name(source))
+        return known or _remote_shape(source.rstrip("/"), endpoint_url)
     config_file = os.path.join(source, "config.json")
     if source and os.path.isfile(config_file):
         with open(config_file, encoding="utf-8") as f:
             return shape_from_hf(json.load(f))
     return KNOWN.get(source)
+
+
+@functools.cache
+def _remote_shape(url: str, endpoint_url: str) -> Shape | None:
+    """The shape in the config.json at `url`, None when it cannot be read."""
+    options = s3_options(url, endpoint_url) if url.startswith(("s3://", "s3a://")) else {}
+    try:
+        with fsspec.open(f"{url}/config.json", "rb", **options) as f:
+            return shape_from_hf(json.loads(f.read(1 << 20)))
+    except Exception as exc:  # noqa: BLE001 - any failure leaves the plan without this shape
+        log.info("memory plan: no shape from %s/config.json (%s)", url, exc)
+        return None
 
 
 def shape_from_hf(config: dict) -> Shape:

@@ -26,6 +26,7 @@ from relax_core.heap import freeze_heap
 from relax_core.run.colocate import ColocateController
 from relax_core.run.prepare import MARKER, local_policy
 from relax_core.run.session import RunSession, RunState
+from relax_core.run.sources import pin_source, source_problems
 from relax_core.storage import is_committed, join, parent, where, write_json
 from relax_core.tracking import format_summary
 from relax_core.tracking.monitor import Monitor
@@ -64,20 +65,7 @@ def preflight(cfg: RunConfig) -> None:
         from relax_core.roles.episodes import check_env
 
         problems += check_env(cfg)
-    if cfg.model.kind == "pretrained" and cfg.model.source.startswith("models:"):
-        from relax_core.tracking.registry import resolve_model_uri
-
-        try:
-            resolve_model_uri(tracking_uri_of(cfg), cfg.model.source)
-        except ValueError as exc:
-            problems.append(f"model.source: {exc}")
-    elif cfg.model.kind == "pretrained":
-        from relax_core.models.pretrained import resolve_source
-
-        try:
-            resolve_source(cfg.model.source)
-        except (OSError, ValueError, ImportError) as exc:
-            problems.append(f"model.source: {exc}")
+    problems += source_problems(cfg)
     teacher = cfg.algorithm.teacher
     if teacher and not os.path.isfile(os.path.join(teacher, "config.json")):
         problems.append(
@@ -184,10 +172,10 @@ def start_run(cfg: RunConfig, policy_dir: str) -> str:
         # Flyte's cache of prepare_policy can outlive what it returned (a pruned cache, another
         # storage root): prepare the same policy again instead of failing on a path.
         from relax_core.data.dataset import fingerprint
-        from relax_core.run.prepare import PolicySpec, prepare_policy
+        from relax_core.run.prepare import prepare_policy
 
         log.warning("prepared policy %s is gone; preparing it again", policy_dir)
-        spec = PolicySpec.of(cfg, fingerprint(cfg.data.train_path))
+        spec = policy_spec_for(cfg, fingerprint(cfg.data.train_path))
         policy_dir = prepare_policy(
             spec, cfg.checkpoint.policy_cache_dir, options, cfg.storage.scratch_dir
         )
@@ -348,18 +336,12 @@ def compare_with_previous(tracking_uri: str, monitor) -> str | None:
 
 
 def policy_spec_for(cfg: RunConfig, data_fingerprint: str):
-    """The starting policy's spec; a registry source (`models:/<name>/latest`, `@alias`) is pinned
-    to the version it names now, so the cached policy is keyed on exact weights."""
+    """The starting policy's spec, keyed on exact weights: a registry source (`models:/<name>/
+    latest`, `@alias`) pinned to the version it names now, a URL source to its files' listing."""
     from relax_core.run.prepare import PolicySpec
 
-    if cfg.model.kind != "pretrained" or not cfg.model.source.startswith("models:"):
-        return PolicySpec.of(cfg, data_fingerprint)
-    from relax_core.config import replace
-    from relax_core.tracking.registry import resolve_model_uri
-
-    uri = tracking_uri_of(cfg)
-    pinned = resolve_model_uri(uri, cfg.model.source).uri
-    return PolicySpec.of(replace(cfg, model={"source": pinned}), data_fingerprint, uri)
+    pinned, registry_uri, source_key = pin_source(cfg)
+    return PolicySpec.of(pinned, data_fingerprint, registry_uri, source_key)
 
 
 def read_version(checkpoint: str, options: dict | None = None) -> int:

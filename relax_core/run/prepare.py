@@ -23,6 +23,7 @@ from relax_core.config import (
     config_from_dict,
 )
 from relax_core.config.checks import QWEN_MULTIMODAL
+from relax_core.config.checks_source import is_url_source
 from relax_core.heap import freeze_heap
 from relax_core.models.omni import (
     ENCODERS_VERSION,
@@ -34,6 +35,7 @@ from relax_core.models.omni import (
 )
 from relax_core.models.policy import PREPARED_MARKER, load_policy
 from relax_core.multimodal.media import media_limits
+from relax_core.run.sources import local_source
 from relax_core.storage import (
     is_committed,
     is_local,
@@ -63,9 +65,17 @@ class PolicySpec:
     """The MLflow tracking URI a `models:/<name>/<version>` source is read from."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """An agentic run's env: the warm start learns its demonstration episodes."""
+    source_key: str = ""
+    """The content key of a URL model.source (run/sources.py): its files' listing."""
 
     @classmethod
-    def of(cls, cfg: RunConfig, data_fingerprint: str = "", registry_uri: str = "") -> PolicySpec:
+    def of(
+        cls,
+        cfg: RunConfig,
+        data_fingerprint: str = "",
+        registry_uri: str = "",
+        source_key: str = "",
+    ) -> PolicySpec:
         """The spec of `cfg`'s starting policy; `model.matmul_dtype: auto` decided here, so the
         cache key and the warm start name what it computes in."""
         from relax_core.models.precision import resolve_matmul_dtype
@@ -75,7 +85,14 @@ class PolicySpec:
         if matmuls != model.matmul_dtype:
             model = dataclasses.replace(model, matmul_dtype=matmuls)
         return cls(
-            model, cfg.warm_start, cfg.data, cfg.seed, data_fingerprint, registry_uri, cfg.env
+            model,
+            cfg.warm_start,
+            cfg.data,
+            cfg.seed,
+            data_fingerprint,
+            registry_uri,
+            cfg.env,
+            source_key,
         )
 
     def to_json(self) -> str:
@@ -101,6 +118,7 @@ class PolicySpec:
             data["data_fingerprint"],
             data.get("registry_uri", ""),
             sections.env,
+            data.get("source_key", ""),
         )
 
     def key(self) -> str:
@@ -134,6 +152,8 @@ class PolicySpec:
             parts["seed"] = self.seed
         if self.registry_uri:
             parts["registry_uri"] = self.registry_uri
+        if self.source_key:  # absent for other sources, so their policies keep their keys
+            parts["source_key"] = self.source_key
         if self.warm_start.steps > 0:
             d = self.data
             parts["data"] = [d.train_path, d.template, d.system_prompt, self.data_fingerprint]
@@ -154,7 +174,7 @@ def prepare_policy(
         return where(target)
     # Downloads and conversions (GGUF, registry) stay on this task's disk.
     local_cache = cache_dir if is_local(cache_dir) else scratch_root(scratch_dir)
-    model, tokenizer = _base_model(spec, local_cache)
+    model, tokenizer = _base_model(spec, local_cache, options, scratch_dir)
     if spec.model.chat_template:
         tokenizer.chat_template = read_chat_template(spec.model.chat_template)
     info: dict[str, object] = {"key": spec.key()}
@@ -191,7 +211,10 @@ def file_digest(path: str) -> str:
     return hashlib.sha256(read_chat_template(path).encode()).hexdigest()[:16]
 
 
-def _base_model(spec: PolicySpec, cache_dir: str):
+def _base_model(spec: PolicySpec, cache_dir: str, options: dict | None, scratch_dir: str):
+    source = spec.model.source
+    if is_url_source(source):  # copied to this task's scratch once per content
+        source = local_source(source, spec.source_key, options, scratch_dir)
     if spec.model.kind in ("tiny-qwen3", "tiny-omni"):
         from relax_core.models.tiny import build_char_tokenizer, build_tiny_qwen3
 
@@ -205,18 +228,16 @@ def _base_model(spec: PolicySpec, cache_dir: str):
         # A Hugging Face id (downloaded to the HF cache) or a directory, as transformers reads it.
         from relax_core.multimodal.qwen import load_qwen_policy
 
-        return load_qwen_policy(spec.model.source, spec.model.dtype, spec.model.video_fps)
-    if spec.model.source.startswith("models:"):
+        return load_qwen_policy(source, spec.model.dtype, spec.model.video_fps)
+    if source.startswith("models:"):
         # A registered policy of an earlier run: its HF directory, pinned to one version upstream.
         from relax_core.tracking.registry import download_policy
 
-        directory = download_policy(
-            spec.registry_uri, spec.model.source, os.path.join(cache_dir, "registry")
-        )
+        directory = download_policy(spec.registry_uri, source, os.path.join(cache_dir, "registry"))
         return load_policy(directory, spec.model.dtype)
     from relax_core.models.pretrained import materialize
 
-    directory = materialize(spec.model.source, os.path.join(cache_dir, "hf"))
+    directory = materialize(source, os.path.join(cache_dir, "hf"))
     return load_policy(directory, spec.model.dtype)
 
 

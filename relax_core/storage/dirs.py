@@ -292,30 +292,48 @@ def local_copy(
     files = json.loads(raw).get("files") or {n: {} for n in store.walk_files("") if n != marker}
     wanted = sorted(n for n in files if not _excluded(n, exclude))
     key = hashlib.sha256(raw + json.dumps(sorted(exclude)).encode()).hexdigest()[:24]
-    target = os.path.join(scratch_root(scratch_dir), "copies", key)
-    if os.path.isfile(os.path.join(target, marker)):
+
+    def fill(staging: str) -> None:
+        download_files(store, {n: files[n] for n in wanted}, staging)
+        with open(os.path.join(staging, marker), "wb") as f:
+            f.write(raw)
+
+    return fill_once(os.path.join(scratch_root(scratch_dir), "copies", key), fill, marker)
+
+
+def fill_once(target: str, fill: Callable[[str], None], done: str = "") -> str:
+    """`target`, a local directory that `fill(staging)` writes once: into a staging sibling
+    renamed into place whole, so a directory at `target` (holding `done`, when given) is complete
+    and a fill that fails or is killed leaves nothing there. An existing one is returned as is;
+    two processes of one machine filling the same target end up sharing one of theirs."""
+    if os.path.exists(os.path.join(target, done)):
         return target
+    os.makedirs(os.path.dirname(target), exist_ok=True)
     sweep_stale_staging(os.path.dirname(target), "*.tmp-*")
     tmp = f"{target}.tmp-{uuid.uuid4().hex}"
     os.makedirs(tmp)
     try:
-        for name in wanted:
-            local = os.path.join(tmp, name)
-            os.makedirs(os.path.dirname(local), exist_ok=True)
-            store.get_file(name, local)
-            problem = file_problem(local, files[name])
-            if problem:
-                raise OSError(f"{location}/{name}: {problem}")
-        with open(os.path.join(tmp, marker), "wb") as f:
-            f.write(raw)
+        fill(tmp)
         try:
             os.rename(tmp, target)
         except OSError:  # another process of this machine made the same copy first
-            if not os.path.isfile(os.path.join(target, marker)):
+            if not os.path.exists(os.path.join(target, done)):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def download_files(store: ObjectStore, files: dict[str, dict[str, Any]], directory: str) -> None:
+    """Download `files` (relative path -> its expected size and sha256, either optional) from
+    `store` into `directory`, each streamed to disk and checked as it lands."""
+    for name in sorted(files):
+        local = os.path.join(directory, name)
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        store.get_file(name, local)
+        problem = file_problem(local, files[name])
+        if problem:
+            raise OSError(f"{store.url(name)}: {problem}")
 
 
 def _excluded(name: str, exclude: tuple[str, ...]) -> bool:

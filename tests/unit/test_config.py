@@ -167,11 +167,17 @@ def test_registry_references_in_every_form_load():
 @pytest.mark.parametrize(
     ("name", "kind", "source", "modalities", "gpus"),
     [
-        ("qwen3-vl-4b-8xgpu", "qwen3-vl", "Qwen/Qwen3-VL-4B-Instruct", {"image", "video"}, 8),
+        (
+            "qwen3-vl-4b-8xgpu",
+            "qwen3-vl",
+            "s3://my-bucket/models/Qwen3-VL-4B-Instruct",
+            {"image", "video"},
+            8,
+        ),
         (
             "qwen3-omni-30b-a3b-16xgpu",
             "qwen3-omni",
-            "Qwen/Qwen3-Omni-30B-A3B-Instruct",
+            "s3://my-bucket/models/Qwen3-Omni-30B-A3B-Instruct",
             {"image", "video", "audio"},
             16,
         ),
