@@ -14,7 +14,7 @@ from relax_core.config.checks_gpu import check_gpu_stacks
 from relax_core.config.checks_sglang import check_sglang_context
 from relax_core.config.checks_sglang_lora import check_sglang_lora
 from relax_core.config.checks_source import MODEL_URI as MODEL_URI  # tracking/registry.py's
-from relax_core.config.checks_source import source_problems
+from relax_core.config.checks_source import source_form_problems
 from relax_core.config.rules import choice, positive
 from relax_core.config.sections import RewardConfig, RunSections
 
@@ -218,7 +218,7 @@ def validate(cfg: RunSections) -> list[str]:
         e.append("model.source: required when model.kind is 'pretrained'")
     if m.kind in QWEN_MULTIMODAL:
         _check_qwen(e, cfg)
-    e += source_problems(m.source)
+    e += source_form_problems(m.source)
     positive(e, "tracking.request_timeout_s", cfg.tracking.request_timeout_s)
     if not 0 <= cfg.tracking.request_retries <= 10:
         e.append(f"tracking.request_retries: must be 0-10, got {cfg.tracking.request_retries}")

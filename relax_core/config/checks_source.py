@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import re
 
-from fsspec.registry import known_implementations, registry
-
 MODEL_URI = re.compile(r"models:/(?P<name>[^/@]+)(/(?P<version>[0-9]+|latest)|@(?P<alias>[\w-]+))")
 """An MLflow registry reference: models:/<name>/<version>, models:/<name>/latest or
 models:/<name>@<alias>."""
@@ -27,7 +25,7 @@ def source_name(source: str) -> str:
     return source.rstrip("/").rsplit("/", 1)[-1]
 
 
-def source_problems(source: str) -> list[str]:
+def source_form_problems(source: str) -> list[str]:
     """What is wrong with the form of a model.source (empty when fine)."""
     if source.startswith("models:"):
         if MODEL_URI.fullmatch(source):
@@ -38,6 +36,9 @@ def source_problems(source: str) -> list[str]:
         ]
     if not is_url_source(source):
         return []
+    # Imported here: fsspec doubles the import time of a config without a URL source.
+    from fsspec.registry import known_implementations, registry
+
     schemes, path = source.split("://", 1)
     unknown = [
         s for s in schemes.split("::") if s not in registry and s not in known_implementations
