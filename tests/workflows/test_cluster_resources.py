@@ -1,7 +1,8 @@
 """What a cluster is asked for, from the run config (tasks/resources.py), checked offline.
 
-Registration: `RELAX_CONFIG=<config> pyflyte --pkgs workflows package ...` is run as a user would
-run it, and the packaged task templates are read back: a CPU config asks no GPU anywhere; a GPU
+Registration: docs/cluster.md's `RELAX_CONFIG=my-cluster.yaml pyflyte --pkgs workflows package ...`
+is run as written for three configs (tests/workflows/conftest.py), and the packaged task
+templates are read back: a CPU config asks no GPU anywhere; a GPU
 config asks each role's GPUs, the accelerator, the trainer image, /dev/shm where NCCL or SGLang
 need it, and starts the SGLang sidecar on the pod's address with its tensor parallel, R3 flag
 and API key. Runs: the @dynamic nodes give the tasks they start the run's own config's asks,
@@ -14,68 +15,30 @@ import glob
 import json
 import os
 import subprocess
-import sys
-import tarfile
 from datetime import timedelta
 
 import pytest
-from flyteidl.admin import task_pb2
 from flytekit import dynamic
 from flytekit.configuration import Image, ImageConfig, SerializationSettings
 from flytekit.core.context_manager import ExecutionState, FlyteContextManager
 from flytekit.core.type_engine import TypeEngine
 from flytekit.extras import accelerators
 from flytekit.models.task import Resources as TaskResources
-from flytekit.models.task import TaskSpec
 
 from relax_core.config import RunConfig, config_to_dict, load_config, replace
 from relax_core.config.checks_gpu import ACCELERATORS
 from relax_core.ops import asks, placement
 from tasks import resources
 from tasks.rl import rl_steps
+from tests.workflows.conftest import IMAGES, REPO
 from workflows.train import rl_run, rl_segment
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVE = os.path.join(REPO, "containers", "rollout", "serve.sh")
-IMAGES = {
-    "default": "ghcr.io/relax/relax:v1",
-    "trainer": "ghcr.io/relax/relax-trainer:v1",
-    "rollout": "ghcr.io/relax/relax-rollout:v1",
-}
-PACKAGED = ("cpu-default", "qwen3-4b-8xgpu", "qwen3-30b-a3b-moe-r3")
 GPU_NAMES = {"gpu", "nvidia.com/gpu"}
 
 
 def _cfg(name: str) -> RunConfig:
     return load_config(os.path.join(REPO, "configs", f"{name}.yaml"))
-
-
-@pytest.fixture(scope="module")
-def packaged(tmp_path_factory) -> dict[str, dict]:
-    """config name -> {task name: packaged TaskTemplate}, all three packaged side by side."""
-    images = [f"--image={IMAGES['default']}"]
-    images += [f"--image={name}={IMAGES[name]}" for name in ("trainer", "rollout")]
-    procs = {}
-    for name in PACKAGED:
-        out = tmp_path_factory.mktemp(name) / "flyte-package.tgz"
-        env = {**os.environ, "RELAX_CONFIG": os.path.join("configs", f"{name}.yaml")}
-        cmd = [sys.executable, "-m", "flytekit.clis.sdk_in_container.pyflyte"]
-        cmd += ["--pkgs", "workflows", "package", *images, "-f", "-o", str(out)]
-        procs[name] = (out, subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE))
-    tasks = {}
-    for name, (out, proc) in procs.items():
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err.decode()[-3000:]
-        with tarfile.open(out) as tar:
-            tar.extractall(out.parent, filter="data")
-        tasks[name] = {}
-        for path in glob.glob(str(out.parent / "*_tasks.*.pb")):
-            spec = task_pb2.TaskSpec()
-            with open(path, "rb") as f:
-                spec.ParseFromString(f.read())
-            template = TaskSpec.from_flyte_idl(spec).template
-            tasks[name][template.id.name.rsplit(".", 1)[1]] = template
-    return tasks
 
 
 def _containers(t) -> dict[str, dict]:
@@ -124,7 +87,7 @@ def _env(container: dict) -> dict[str, dict]:
 
 @pytest.mark.slow
 def test_a_cpu_config_asks_no_gpu_anywhere(packaged):
-    tasks = packaged["cpu-default"]
+    tasks = {k: v for k, v in packaged["cpu-default"].items() if k != "launch_plans"}
     assert set(resources.TASKS) <= set(tasks)  # every task of tasks/rl.py and evaluate
     for name, t in tasks.items():
         assert not any(_gpus(t).values()), (name, _gpus(t))
@@ -143,21 +106,20 @@ def test_an_8_gpu_node_run_asks_for_the_node(packaged):
     assert _gpus(local) == {"primary": 8} and _accelerator(local) == "nvidia-h100"
     assert _containers(local)["primary"]["image"] == IMAGES["trainer"]
     assert _shm(local.k8s_pod.pod_spec)
-    trainer = tasks["trainer_service"]
-    assert _gpus(trainer) == {"primary": cfg.services.trainer_gpus} == {"primary": 1}
-    assert not _shm(trainer.k8s_pod.pod_spec)  # one GPU, no SGLang in the pod
-    # The rollout pod: the engine's GPU belongs to the sidecar; tensor parallel over it; no R3.
-    pod = tasks["sglang_rollout_service"]
-    assert _gpus(pod) == {"primary": 0, "sglang": cfg.services.rollout_gpus}
-    args = _containers(pod)["sglang"]["args"]
-    assert args[args.index("--tp-size") + 1] == "1"
-    assert "--enable-return-routed-experts" not in args
-    for name in ("prepare_data", "policy_spec", "advantages_service"):
+    # The role tasks this run never starts are registered light: no GPU, the default image
+    # (an 8-GPU trainer task would be refused by a cluster sized for this run for nothing).
+    roles = ("trainer_service", "rollout_service", "sglang_rollout_service")
+    for name in (*roles, "reference_service", "actor_fwd_service", "advantages_service"):
         assert _gpus(tasks[name]) == {"primary": 0} and _accelerator(tasks[name]) == "", name
         assert _containers(tasks[name])["primary"]["image"] == IMAGES["default"], name
-    for name in ("prepare_policy", "reference_service", "actor_fwd_service"):
+        assert tasks[name].k8s_pod is None, name
+    for name in ("prepare_data", "policy_spec"):
+        assert _gpus(tasks[name]) == {"primary": 0} and _accelerator(tasks[name]) == "", name
+        assert _containers(tasks[name])["primary"]["image"] == IMAGES["default"], name
+    for name in ("prepare_policy", "start_run", "finish_run"):
         assert _gpus(tasks[name]) == {"primary": 1}, name
         assert _containers(tasks[name])["primary"]["image"] == IMAGES["trainer"], name
+    assert cfg.services.launch == "processes"
 
 
 def test_the_r3_run_asks_its_trainer_gpus_and_tensor_parallel_sglang_pods(packaged):
