@@ -21,8 +21,10 @@ class ModelConfig:
     multimodal model from transformers (multimodal/qwen): 'qwen2.5-vl', 'qwen3-vl' (image,
     video), 'qwen2.5-omni', 'qwen3-omni' (the thinker: image, video, audio in, text out)."""
     source: str = ""
-    """For kind=pretrained: 'gguf-package:<pkg>', 'gguf:<file>' or an HF model directory; for a
-    Qwen multimodal kind: a Hugging Face id (e.g. Qwen/Qwen3-VL-4B-Instruct) or directory."""
+    """Where the weights are: a Hugging Face model directory, or its fsspec URL (e.g.
+    s3://bucket/models/Qwen3-4B, read with storage.endpoint_url; copied to scratch once per
+    content); for kind=pretrained also 'gguf-package:<pkg>', 'gguf:<file>' or
+    'models:/<name>/<version>'; for a Qwen multimodal kind also a Hugging Face id."""
     hidden_size: int = 128
     """Tiny model: width of the residual stream."""
     num_layers: int = 2
