@@ -30,7 +30,7 @@ from relax_core.run.sources import pin_source, source_problems
 from relax_core.storage import is_committed, join, parent, where, write_json
 from relax_core.tracking import format_summary
 from relax_core.tracking.monitor import Monitor
-from relax_core.tracking.runs import monitor_for, run_tags_of, tracking_uri_of
+from relax_core.tracking.runs import monitor_for, run_tags_of
 from relax_core.train import checkpoint as ckpt
 from relax_core.train.determinism import use_deterministic_kernels
 from relax_core.train.loop import train_until
@@ -127,28 +127,11 @@ CLUSTER_ENV = "KUBERNETES_SERVICE_HOST"
 
 
 def cluster_problems(cfg: RunConfig) -> list[str]:
-    """What breaks when every task is its own pod: run state or tracking on a pod's disk."""
-    problems = []
-    places = {
-        "storage.root": cfg.storage.root,
-        "queue.root": cfg.queue.root,
-        "checkpoint.dir": cfg.checkpoint.dir,
-        "checkpoint.policy_cache_dir": cfg.checkpoint.policy_cache_dir,
-    }
-    for name, place in places.items():
-        under_root = name != "storage.root" and place.startswith(cfg.storage.root)
-        if ("://" not in place or place.startswith("file://")) and not under_root:
-            problems.append(
-                f"{name}: {place!r} is a pod's own disk on a cluster, gone when the task ends; "
-                "set storage.root to an object-store URL such as s3://bucket/prefix"
-            )
-    uri = tracking_uri_of(cfg)
-    if not uri.startswith(("http://", "https://", "databricks")):
-        problems.append(
-            f"tracking.tracking_uri: {uri!r} would give every pod its own MLflow store; point "
-            "tracking.tracking_uri (or MLFLOW_TRACKING_URI) at an MLflow server (http://...)"
-        )
-    return problems
+    """What breaks when every task is its own pod: run state or tracking on a pod's disk (the
+    same check `relax plan --flyte` makes before submitting)."""
+    from relax_core.ops.flyte_plan import pod_problems
+
+    return pod_problems(cfg)
 
 
 def start_run(cfg: RunConfig, policy_dir: str) -> str:
