@@ -266,6 +266,9 @@ def test_rl_segment_gives_its_steps_the_run_s_own_resources(tmp_path, name, gpus
     assert o.container_image == image
     assert (o.extended_resources is not None) == bool(gpus)
     assert _shm(o.pod_template.pod_spec) == bool(gpus)
+    # The run's own retries, spot capacity and timeout (pending + start-up + its steps).
+    assert steps.metadata.retries.retries == 3 and steps.metadata.interruptible
+    assert steps.metadata.timeout == timedelta(seconds=asks.timeout_s(_cfg(name), "rl_steps"))
     # Kubernetes' SIGTERM leaves the step under way time to end and be checkpointed.
     grace = _cfg(name).services.preemption_grace_s
     assert o.pod_template.pod_spec["terminationGracePeriodSeconds"] == grace
