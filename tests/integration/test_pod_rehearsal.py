@@ -10,8 +10,15 @@ fails.
 - isolation: a file one pod writes is invisible to the next pod; a pod sees its own name and IP,
   a read-only root and none of the host's loopback services;
 - the output check catches a local path, and without it the next pod cannot open that path;
+- Flyte's rules (tests/rehearsal/flyte_rules.py): the workflows are serialized as `RELAX_CONFIG=
+  <the cluster's config> pyflyte package` would and checked as flyteadmin would against the
+  rehearsal cluster's limits (docs/cluster.md's, flyte_plan.RECOMMENDED); every node a @dynamic
+  starts is checked for resources propeller would clamp; each node's timeout kills an attempt
+  at T and the node at 2T (proved on probe tasks with timeouts of seconds);
 - colocate (cpu-default, shortened): one rl_steps pod is killed once it has committed a
-  checkpoint and rerun in a fresh pod; the run ends at total_steps with every step logged;
+  checkpoint and rerun in a fresh pod; the run ends at total_steps with every step logged; the
+  nightly launch plan registered with the cluster's config passes prepare_data's preflight in a
+  pod, and registered without one (RELAX_CONFIG unset) is refused there;
 - async-tasks (cpu-async, shortened): rollout, advantages and trainer pods side by side; the
   trainer is killed after its first checkpoint and rerun; the others end on their own and the
   exactly-once audit (in a pod of its own) finds nothing lost or trained twice.
@@ -25,16 +32,20 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 import yaml
+from flytekit.tools.translator import get_serializable
 
-from relax_core.config import config_from_dict, config_to_dict
+from relax_core.config import RunConfig, config_from_dict, config_to_dict
 from tests.rehearsal.cluster import REPO, open_cluster
-from tests.rehearsal.driver import PodError, kill_after, newer_checkpoint
+from tests.rehearsal.driver import PodError, RehearsalError, kill_after, newer_checkpoint
+from tests.rehearsal.flyte_rules import RegistrationRefused, SilentClamp, serialization_settings
 from tests.rehearsal.outputs import LocalPathInOutput, check_outputs
 from tests.rehearsal.pods import check_interpreter_visible, image_files
+from tests.rehearsal.registration import CONFIG_ENV, Package, default_input, register
 
 ROOT_PREFIX = "runs"
 """Both runs share one storage root (each has its own run id under it), so the second run finds
@@ -47,6 +58,14 @@ def cluster(tmp_path_factory):
     made, open_network says so (an IsolationUnavailable warning and a printed line)."""
     with open_cluster(tmp_path_factory.mktemp("rehearsal")) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def registered(cluster, tmp_path_factory) -> Package:
+    """The workflows as this cluster's operator registers them: serialized as `RELAX_CONFIG=
+    <the cluster's config> pyflyte package` would (a process of its own, ~5 s of CPU), read
+    back. The runs check it against the cluster's limits before their first pod."""
+    return register(_config(cluster, "cpu-default.yaml"), tmp_path_factory.mktemp("registration"))
 
 
 def _config(cluster, name: str, **sections) -> dict:
@@ -186,6 +205,45 @@ def test_a_task_that_hands_on_a_local_path_fails_the_rehearsal(cluster) -> None:
     assert "FileNotFoundError" in str(failed.value)
 
 
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_node_is_killed_at_its_timeout_retried_and_failed_at_twice_it(cluster) -> None:
+    """Propeller's deadlines on a probe task with a timeout of seconds (tasks/ ask hours)."""
+    from tests.rehearsal.probe_tasks import STALL_T_S, stalled
+
+    rehearsal = cluster.rehearsal(cluster.storage_root(ROOT_PREFIX))
+    with pytest.raises(RehearsalError, match=r"stalls: Timeout in node: its active deadline 2T"):
+        rehearsal.run(stalled, {})
+    # Attempt 0 was killed at T and retried; the retry was killed at 2T from the first start
+    # (before its own T: it started at T or later), with 9 of the node's 10 retries left.
+    first, retry = rehearsal.records
+    assert first.killed and first.timed_out and first.wall_s >= STALL_T_S, first
+    assert retry.killed and not retry.timed_out, retry
+    assert "stalls: attempt 0" in Path(first.log).read_text()
+    assert "stalls: attempt 1" in Path(retry.log).read_text()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_resources_flyte_would_refuse_or_clamp_fail_the_rehearsal(cluster) -> None:
+    from tests.rehearsal.probe_tasks import big_fanout, greedy
+
+    root = cluster.storage_root(ROOT_PREFIX)
+    # A node a @dynamic starts above the cluster's limits: compiled in its pod, refused before
+    # the node runs, named with its resource, ask and limit.
+    rehearsal = cluster.rehearsal(root)
+    clamped = r"starts_big node dn0 \(echo\): memory request 1Ti is above the cluster's limit 768Gi"
+    with pytest.raises(SilentClamp, match=clamped + " .*clamp it to 768Gi"):
+        rehearsal.run(big_fanout, {})
+    assert [r.task for r in rehearsal.records] == ["starts_big"]
+    # A registered task above them: refused before the first pod, as flyteadmin would.
+    template = get_serializable(OrderedDict(), serialization_settings(), greedy).template
+    refused = cluster.rehearsal(root, registration=Package({greedy.name: template}, {}, {}))
+    with pytest.raises(RegistrationRefused, match="greedy: memory limit 1Ti is above the platform"):
+        refused.run(big_fanout, {})
+    assert refused.records == []
+
+
 # --------------------------------------------------------------------------- the train workflow
 
 
@@ -193,7 +251,9 @@ def test_a_task_that_hands_on_a_local_path_fails_the_rehearsal(cluster) -> None:
 @pytest.mark.timeout(900)  # a whole run in pods, the warm start included
 @pytest.mark.integration
 @pytest.mark.slow
-def test_colocate_run_in_pods_survives_a_killed_rl_steps_pod(cluster, cpu_default_policies) -> None:
+def test_colocate_run_in_pods_survives_a_killed_rl_steps_pod(
+    cluster, registered, cpu_default_policies
+) -> None:
     from workflows.train import train
 
     total = 30
@@ -207,7 +267,8 @@ def test_colocate_run_in_pods_survives_a_killed_rl_steps_pod(cluster, cpu_defaul
     # the run's policy cache: the prepare_policy pod finds it, as a second run on a cluster
     # would. The async run below prepares its own in a pod (a cache miss).
     _seed_policy(cluster, root, cpu_default_policies[1])
-    rehearsal = cluster.rehearsal(root, faults=[kill_after("rl_steps", newer_checkpoint())])
+    faults = [kill_after("rl_steps", newer_checkpoint())]
+    rehearsal = cluster.rehearsal(root, faults=faults, registration=registered)
     result = rehearsal.run(train, {"cfg": cfg})
 
     summary = result.outputs["o0"]
@@ -229,12 +290,33 @@ def test_colocate_run_in_pods_survives_a_killed_rl_steps_pod(cluster, cpu_defaul
     assert summary["mlflow_run_id"] in sources, sources
     assert cluster.watch.fs.find(f"{cluster.bucket}/mlflow"), "no model files in the object store"
 
+    # The nightly launch plan, registered with this cluster's config, starts from the version
+    # registered above: its baked config passes prepare_data's preflight in a pod (cluster
+    # checks on). Registered without a config (this process: RELAX_CONFIG unset) it keeps run
+    # state on a pod's disk and is refused there.
+    from workflows.launch_plans import nightly_grpo
+
+    assert CONFIG_ENV not in os.environ, f"unset {CONFIG_ENV} to run the rehearsal"
+    unset = get_serializable(OrderedDict(), serialization_settings(), nightly_grpo)
+    cfgs = {
+        "cluster": registered.default_input("nightly_grpo", "cfg", RunConfig),
+        "unset": default_input(unset, "cfg", RunConfig),
+    }
+    refusals = rehearsal.call(
+        "tests.rehearsal.checks:preflight",
+        {"cfgs": {k: config_to_dict(v) for k, v in cfgs.items()}},
+    )
+    assert refusals["cluster"] == "", refusals["cluster"]
+    assert "storage.root" in refusals["unset"], refusals["unset"]
+
 
 @pytest.mark.soak
 @pytest.mark.timeout(900)  # a whole run in pods, the warm start included
 @pytest.mark.integration
 @pytest.mark.slow
-def test_async_tasks_run_in_pods_survives_a_killed_trainer_and_audits_clean(cluster) -> None:
+def test_async_tasks_run_in_pods_survives_a_killed_trainer_and_audits_clean(
+    cluster, registered
+) -> None:
     from workflows.train import train
 
     total, groups = 10, 32  # killed after its checkpoint at 5, the rerun trains 6-10
@@ -251,7 +333,7 @@ def test_async_tasks_run_in_pods_survives_a_killed_trainer_and_audits_clean(clus
     )
     root = cluster.storage_root(ROOT_PREFIX)
     faults = [kill_after("trainer_service", newer_checkpoint())]
-    rehearsal = cluster.rehearsal(root, faults=faults, grace_s=90)
+    rehearsal = cluster.rehearsal(root, faults=faults, grace_s=90, registration=registered)
     result = rehearsal.run(train, {"cfg": cfg})
 
     summary = result.outputs["o0"]

@@ -16,3 +16,19 @@ def queue_audit(cfg_json: str, checkpoint: str) -> dict[str, Any]:
     cfg = RunConfig.from_json(cfg_json)
     state = read_state(checkpoint, cfg.storage.options())
     return audit_run(open_queue(cfg.queue, state["run_id"]), state)
+
+
+def preflight(cfgs: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """prepare_data's preflight (relax_core.run.lifecycle.preflight) on each config, in this pod:
+    '' where it passes, else its refusal."""
+    from relax_core.config import ConfigError, config_from_dict
+    from relax_core.run.lifecycle import preflight as check
+
+    refusals = {}
+    for name, data in cfgs.items():
+        try:
+            check(config_from_dict(data))
+            refusals[name] = ""
+        except ConfigError as exc:
+            refusals[name] = str(exc)
+    return refusals

@@ -1,20 +1,30 @@
 """Drive a workflow pod by pod, as a Flyte cluster would, with fault injection.
 
     result = Rehearsal(launcher, storage_root, watch, faults=[kill_after("rl_steps",
-                       newer_checkpoint())]).run(workflows.train.train, {"cfg": cfg_dict})
+                       newer_checkpoint())], registration=package).run(train, {"cfg": cfg})
 
 graph.py walks the workflow's compiled nodes; for each one this module starts a pod:
 - a task: one pod running it; its outputs are checked (outputs.py: no local path may leave a
   pod) and handed to the nodes that bind them;
-- a @dynamic: a pod runs the dynamic's body, which reads storage and returns the graph it built
-  (pod_main.record_plan); its calls then run as pods, each as soon as the calls it binds have
-  finished, so calls without edges (async_roles' services) run side by side. The dynamic is done
-  when the call it returns has finished and every other call has ended on its own within
-  `grace_s` (services watch control/stop); one that hangs fails the rehearsal.
+- a @dynamic: a pod compiles the dynamic as a cluster's would (pod_main.record_plan) and returns
+  the DynamicJobSpec; a node in it whose resources propeller would clamp to the cluster's limits
+  fails the rehearsal (flyte_rules.clamp_problems); its nodes then run as pods, each as soon as
+  the nodes it binds have finished, so nodes without edges (async_roles' services) run side by
+  side. The dynamic is done when the node it returns has finished and every other node has
+  ended on its own within `grace_s` (services watch control/stop); one that hangs fails the
+  rehearsal.
+Before the first pod, a `registration` (registration.register: the workflows serialized as
+`pyflyte package` does) is checked against the cluster's `limits` as flyteadmin would, and the
+workflow's nodes take their timeouts and retries from it.
+
+Each node's timeout T is enforced as propeller does (flyte_rules.Deadlines): an attempt still
+running at T from its start is killed and, while the node's retries last, run again in a fresh
+pod; at 2T from the node's first start the node fails whatever retries are left ("Timeout in
+node"), and so does the rehearsal. A @dynamic's deadlines cover the nodes it started too. No timeout, no deadline.
 A fault (`kill_after(task, when)`) SIGKILLs the matching pod once `when(pod, inputs, watch)`
-holds and reruns the task with the same inputs in a fresh pod, as Flyte's retry does. A pod that
-fails by itself fails the rehearsal at once, with its log's tail, and every pod still running is
-killed.
+holds and reruns the task with the same inputs in a fresh pod, as Flyte's retry of a lost pod
+does (a system failure: it spends none of the node's retries). A pod that fails by itself fails
+the rehearsal at once, with its log's tail, and every pod still running is killed.
 """
 
 from __future__ import annotations
@@ -30,9 +40,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from relax_core.ops.flyte_plan import RECOMMENDED, Limits
 from tests.rehearsal import graph
+from tests.rehearsal.flyte_rules import Deadlines, SilentClamp, clamp_problems
 from tests.rehearsal.outputs import check_outputs
+from tests.rehearsal.pod_main import resolve
 from tests.rehearsal.pods import Pod, PodError, PodLauncher, image_files
+from tests.rehearsal.registration import Package
 
 Condition = Callable[[Pod, dict[str, Any], "StorageWatch | None"], bool]
 POLL_S = 0.5
@@ -109,6 +123,8 @@ class PodRecord:
     killed: bool
     log: str
     wall_s: float
+    timed_out: bool = False
+    """Killed at the node's timeout (an execution deadline), not by a fault."""
 
 
 @dataclass
@@ -132,11 +148,15 @@ class Rehearsal:
         pod_timeout_s: float = 900.0,
         grace_s: float = 60.0,
         check_outputs: bool = True,
+        registration: Package | None = None,
+        limits: Limits = RECOMMENDED,
     ) -> None:
         self.launcher, self.storage_root, self.watch = launcher, storage_root, watch
         self.faults = list(faults)
         self.pod_timeout_s, self.grace_s = pod_timeout_s, grace_s
         self.check_outputs = check_outputs
+        self.registration, self.limits = registration, limits
+        self._registered: dict[int, Any] = {}
         self.image = set(image_files(launcher.repo))
         self.config_texts: set[str] = set()
         self.records: list[PodRecord] = []
@@ -144,20 +164,25 @@ class Rehearsal:
         self._started: dict[str, int] = {}
         self._lock = threading.Lock()
         self.execution_id = f"rh{secrets.token_hex(4)}"
-        self.flyte_env: dict[str, str] = {}
-
-    def run(self, workflow: Any, inputs: dict[str, Any]) -> RehearsalResult:
         # What Kubernetes and Flyte set in every task pod of a cluster execution (the tasks tell
-        # a cluster run from a local one by KUBERNETES_SERVICE_HOST).
-        self.flyte_env = {
+        # a cluster run from a local one by KUBERNETES_SERVICE_HOST); run() adds the workflow.
+        self.flyte_env: dict[str, str] = {
             "KUBERNETES_SERVICE_HOST": "10.96.0.1",
             "KUBERNETES_SERVICE_PORT": "443",
             "FLYTE_INTERNAL_EXECUTION_ID": self.execution_id,
             "FLYTE_INTERNAL_EXECUTION_PROJECT": "rehearsal",
             "FLYTE_INTERNAL_EXECUTION_DOMAIN": "development",
-            "FLYTE_INTERNAL_EXECUTION_WORKFLOW": workflow.name,
             "FLYTE_INTERNAL_TASK_VERSION": "rehearsal",
         }
+
+    def run(self, workflow: Any, inputs: dict[str, Any]) -> RehearsalResult:
+        self.flyte_env["FLYTE_INTERNAL_EXECUTION_WORKFLOW"] = workflow.name
+        if self.registration is not None:
+            self.registration.check(self.limits)
+            registered = self.registration.node_metadata(workflow.name)
+            self._registered = {
+                id(n): registered[n.id] for n in workflow.nodes if n.id in registered
+            }
         try:
             outputs = graph.walk_workflow(workflow, inputs, self.run_entity)
         finally:
@@ -178,17 +203,37 @@ class Rehearsal:
 
     # ----------------------------------------------------------------------- one node
 
-    def run_entity(self, entity: Any, inputs: dict[str, Any]) -> dict[str, Any]:
-        outputs = self.run_pod(entity.name, inputs)
+    def run_entity(self, entity: Any, inputs: dict[str, Any], node: Any = None) -> dict[str, Any]:
+        """Run one node of `entity`; `node` (a compiled or serialized Node) carries its timeout
+        and retries, the registered workflow's where there is one."""
+        metadata = self._registered.get(id(node), getattr(node, "metadata", None))
+        if metadata is None:
+            metadata = entity.construct_node_metadata()
+        deadlines = Deadlines.of(entity.name.rsplit(".", 1)[-1], metadata)
+        outputs = self.run_pod(entity.name, inputs, deadlines)
         if "plan" not in outputs:
             return outputs
-        plan = outputs["plan"]
-        self.plans.append({"dynamic": entity.name, **plan})
-        return self.run_plan(entity, plan)
+        job, message, literal_outputs = graph.decode_plan(outputs["plan"])
+        if job is None:
+            return literal_outputs
+        short = entity.name.rsplit(".", 1)[-1]
+        self.plans.append({"dynamic": short, "job": job})
+        problems = clamp_problems(short, message, self.limits)
+        if problems:
+            raise SilentClamp(
+                f"{short} starts nodes whose resources propeller would lower to the cluster's "
+                f"limits without failing them:\n  - " + "\n  - ".join(problems)
+            )
+        return self.run_plan(entity, job, deadlines)
 
-    def run_pod(self, name: str, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Run task `name` in a pod until an attempt finishes; a faulted attempt is retried."""
+    def run_pod(
+        self, name: str, inputs: dict[str, Any], deadlines: Deadlines | None = None
+    ) -> dict[str, Any]:
+        """Run task `name` in a pod until an attempt finishes. An attempt killed by a fault is
+        run again; one killed at its timeout too, while the node's retries last."""
         short = name.rsplit(".", 1)[-1]
+        deadlines = deadlines or Deadlines(short)
+        attempt = failures = 0
         while True:
             with self._lock:
                 self._started[short] = self._started.get(short, 0) + 1
@@ -199,14 +244,28 @@ class Rehearsal:
                     None,
                 )  # fmt: skip
             args = ["task", name, json.dumps(inputs)]
-            pod = self.launcher.pod(short, args, self.flyte_env).start()
+            env = {**self.flyte_env, "FLYTE_ATTEMPT_NUMBER": str(attempt)}
+            pod = self.launcher.pod(short, args, env).start()
+            deadlines.started(pod.started_at)
+            attempt += 1
             record = PodRecord(pod.name, short, None, False, str(pod.log_path), 0.0)
             self.records.append(record)
             try:
-                outputs = self._watch(pod, inputs, fault)
+                outputs = self._watch(pod, inputs, fault, deadlines)
             finally:
                 record.killed, record.wall_s = pod.killed, pod.wall_s
-            if outputs is None:  # killed by the fault: a fresh pod, the same inputs
+            if outputs is _FAULTED:  # a lost pod: a fresh pod, the same inputs
+                continue
+            if outputs is _TIMED_OUT:
+                record.timed_out = True
+                failures += 1
+                if failures > deadlines.retries:
+                    raise RehearsalError(
+                        f"{short}: RetriesExhausted|TimeoutExpired: attempt {attempt} ran past "
+                        f"its timeout T = {deadlines.timeout_s:g} s and its "
+                        f"{deadlines.retries} retries are spent (pod {pod.name}, log "
+                        f"{pod.log_path})"
+                    )
                 continue
             record.outputs = outputs
             if "plan" not in outputs and self.check_outputs:
@@ -222,14 +281,27 @@ class Rehearsal:
                 )
             return outputs
 
-    def _watch(self, pod: Pod, inputs: dict[str, Any], fault: Fault | None) -> dict | None:
+    def _watch(
+        self, pod: Pod, inputs: dict[str, Any], fault: Fault | None, deadlines: Deadlines
+    ) -> Any:
+        """The pod's outputs, _FAULTED or _TIMED_OUT (the pod killed); RehearsalError at the
+        node's active deadline."""
         deadline = pod.started_at + self.pod_timeout_s
         while pod.poll() is None:
+            now = time.monotonic()
+            if deadlines.active_expired(now):  # checked first: terminal, whatever else holds
+                pod.kill()
+                raise RehearsalError(
+                    deadlines.active_expiry(f" (pod {pod.name}, log {pod.log_path})")
+                )
+            if deadlines.execution_expired(now):
+                pod.kill()
+                return _TIMED_OUT
             if fault is not None and not fault.fired and self._holds(fault, pod, inputs):
                 fault.fired = True
                 pod.kill()
-                return None
-            if time.monotonic() > deadline:
+                return _FAULTED
+            if now > deadline:
                 break
             time.sleep(POLL_S)
         return pod.wait(max(0.0, deadline - time.monotonic()))
@@ -245,37 +317,53 @@ class Rehearsal:
 
     # ----------------------------------------------------------------------- a dynamic's graph
 
-    def run_plan(self, entity: Any, plan: dict[str, Any]) -> dict[str, Any]:
-        calls, output = plan["calls"], plan["output"]
-        target = output["$ref"][0] if "$ref" in output else None
-        results: list[dict[str, Any] | None] = [None] * len(calls)
-        futures: dict[int, concurrent.futures.Future] = {}
-        pool = concurrent.futures.ThreadPoolExecutor(max(1, len(calls)), "plan")
-        target_done_at: float | None = None
+    def run_plan(self, entity: Any, job: Any, deadlines: Deadlines) -> dict[str, Any]:
+        """Run a DynamicJobSpec's nodes, each once the nodes it binds have finished, within the
+        dynamic's own deadlines."""
+        nodes = {n.id: n for n in job.nodes}
+        tasks = {t.id.name: t for t in job.tasks}
+        targets = {b.binding.promise.node_id for b in job.outputs if b.binding.promise}
+        results: dict[str, dict[str, Any]] = {}
+        futures: dict[str, concurrent.futures.Future] = {}
+        pool = concurrent.futures.ThreadPoolExecutor(max(1, len(nodes)), "plan")
+        targets_done_at: float | None = None
         try:
             while True:
-                for i, call in enumerate(calls):
-                    waits = graph.plan_refs(call["inputs"])
-                    if i not in futures and all(results[j] is not None for j in waits):
-                        inputs = {
-                            k: graph.plan_value(v, results) for k, v in call["inputs"].items()
-                        }
-                        futures[i] = pool.submit(self.run_entity_by_name, call["task"], inputs)
-                for i, f in futures.items():
-                    if results[i] is None and f.done():
-                        results[i] = f.result()  # a failed call raises here
-                pending = [f for i, f in futures.items() if results[i] is None]
-                if not pending and len(futures) == len(calls):
+                for node_id, node in nodes.items():
+                    if node_id not in futures and graph.upstream(node) <= set(results):
+                        task = node.task_node.reference_id.name
+                        if task not in tasks:
+                            raise graph.GraphError(f"{entity.name}: no template for {task}")
+                        inputs = graph.bindings(node, results)
+                        futures[node_id] = pool.submit(self._run_node, task, inputs, node)
+                for node_id, f in futures.items():
+                    if node_id not in results and f.done():
+                        results[node_id] = f.result()  # a failed node raises here
+                pending = [f for i, f in futures.items() if i not in results]
+                if not pending and len(futures) == len(nodes):
                     break
                 if not pending:
                     continue  # what they waited for has finished: start them
-                if target is not None and target_done_at is None and results[target] is not None:
-                    target_done_at = time.monotonic()
-                if target_done_at and time.monotonic() - target_done_at > self.grace_s:
-                    hung = [calls[i]["task"] for i, f in futures.items() if not f.done()]
+                now = time.monotonic()
+                if deadlines.active_expired(now):
+                    raise RehearsalError(deadlines.active_expiry(" while the nodes it started ran"))
+                if deadlines.execution_expired(now):
+                    # Propeller would fail this attempt and rerun the dynamic, its nodes anew;
+                    # the rehearsal stops here: a timeout that fires is a defect of its own.
+                    raise RehearsalError(
+                        f"{deadlines.node}: the nodes it started ran past its timeout T = "
+                        f"{deadlines.timeout_s:g} s (a dynamic's deadlines cover its nodes)"
+                    )
+                if targets and targets_done_at is None and targets <= set(results):
+                    targets_done_at = now
+                if targets_done_at and now - targets_done_at > self.grace_s:
+                    hung = [
+                        nodes[i].task_node.reference_id.name for i, f in futures.items()
+                        if not f.done()
+                    ]  # fmt: skip
                     raise RehearsalError(
                         f"{entity.name}: {hung} did not end within {self.grace_s:.0f} s after "
-                        f"{calls[target]['task']} finished (they should stop on control/stop)"
+                        f"{sorted(targets)} finished (they should stop on control/stop)"
                     )
                 concurrent.futures.wait(
                     pending, timeout=POLL_S, return_when=concurrent.futures.FIRST_COMPLETED
@@ -285,13 +373,13 @@ class Rehearsal:
             raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-        names = list(entity.python_interface.outputs)
-        return {names[0]: graph.plan_value(output, results)} if names else {}
+        return graph.outputs_of_plan(job, results)
 
-    def run_entity_by_name(self, name: str, inputs: dict[str, Any]) -> dict[str, Any]:
-        from tests.rehearsal.pod_main import resolve
+    def _run_node(self, task: str, inputs: dict[str, Any], node: Any) -> dict[str, Any]:
+        return self.run_entity(resolve(task), inputs, node)
 
-        return self.run_entity(resolve(name), inputs)
+
+_FAULTED, _TIMED_OUT = object(), object()
 
 
 __all__ = [

@@ -7,8 +7,9 @@ conditions (`conditional(...)`) and calls `run_entity(entity, inputs)` for each 
 node, which returns that node's outputs keyed by output name. So the rehearsal follows
 workflows/train.py as it is, not a copy of it.
 
-Dynamic plans (`pod_main.record_plan`) are values in the same shape: each call's inputs are
-{"$value": v} or {"$ref": [call, output name or None]}; `plan_value` resolves one.
+A @dynamic's plan (`pod_main.record_plan`) is the DynamicJobSpec flytekit compiled, as JSON;
+`decode_plan` reads it back into flytekit's models, whose nodes bind their inputs the same way
+(node ids "dn0", "dn1", ...), so `bindings` and `outputs_of_plan` resolve them too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from flytekit.core.workflow import WorkflowBase
 from flytekit.models.core.condition import ComparisonExpression, ConjunctionExpression
 
 Outputs = dict[str, Any]
-RunEntity = Callable[[Any, dict[str, Any]], Outputs]
+RunEntity = Callable[[Any, dict[str, Any], Any], Outputs]
+"""run_entity(entity, inputs, node): `node` is the flytekit Node (its `metadata` holds the node's
+timeout and retries)."""
 
 _COMPARE = {
     ComparisonExpression.Operator.EQ: lambda a, b: a == b,
@@ -72,7 +75,9 @@ def _binding_value(data: Any, values: dict[str, Outputs], what: str) -> Any:
 
 
 def bindings(node: Any, values: dict[str, Outputs]) -> dict[str, Any]:
-    return {b.var: _binding_value(b.binding, values, f"{node.id}.{b.var}") for b in node.bindings}
+    """A node's inputs: a compiled Node's `bindings` or a serialized (model) Node's `inputs`."""
+    given = node.bindings if hasattr(node, "bindings") else node.inputs
+    return {b.var: _binding_value(b.binding, values, f"{node.id}.{b.var}") for b in given}
 
 
 def _operand(operand: Any, scope: dict[str, Any]) -> Any:
@@ -124,20 +129,38 @@ def run_node(node: Any, values: dict[str, Outputs], run_entity: RunEntity) -> Ou
         return walk_workflow(entity, bindings(node, values), run_entity)
     if not hasattr(entity, "task_function"):
         raise GraphError(f"node {node.id}: {type(entity).__name__} is not a task the pods run")
-    return run_entity(entity, bindings(node, values))
+    return run_entity(entity, bindings(node, values), node)
 
 
-def plan_value(encoded: dict[str, Any], results: list[Outputs | None]) -> Any:
-    """A dynamic plan's value: a literal, or a call's (named or only) output."""
-    if "$value" in encoded:
-        return encoded["$value"]
-    call, var = encoded["$ref"]
-    outputs = results[call]
-    if outputs is None:
-        raise GraphError(f"plan call {call} has not finished")
-    return outputs[var] if var else single_output(outputs, f"plan call {call}")
+def decode_plan(plan: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    """(the DynamicJobSpec as a flytekit model and as its flyteidl message, or None and None
+    when the dynamic started no node; the dynamic's outputs by name when it started none)."""
+    from flyteidl.core import dynamic_job_pb2, literals_pb2
+    from flytekit.models.dynamic_job import DynamicJobSpec
+    from flytekit.models.literals import LiteralMap
+    from google.protobuf.json_format import ParseDict
+
+    if "job" in plan:
+        message = ParseDict(plan["job"], dynamic_job_pb2.DynamicJobSpec())
+        return DynamicJobSpec.from_flyte_idl(message), message, {}
+    literals = LiteralMap.from_flyte_idl(ParseDict(plan["outputs"], literals_pb2.LiteralMap()))
+    return None, None, {k: literal_value(v, f"output {k}") for k, v in literals.literals.items()}
 
 
-def plan_refs(encoded_inputs: dict[str, Any]) -> set[int]:
-    """The calls a plan call's inputs wait for."""
-    return {v["$ref"][0] for v in encoded_inputs.values() if "$ref" in v}
+def literal_value(literal: Any, what: str) -> Any:
+    if literal.scalar is not None and literal.scalar.primitive is not None:
+        return literal.scalar.primitive.value
+    if literal.scalar is not None and literal.scalar.none_type is not None:
+        return None
+    raise GraphError(f"{what}: a literal the rehearsal cannot read: {literal}")
+
+
+def upstream(node: Any) -> set[str]:
+    """The node ids a serialized node's inputs wait for."""
+    return set(node.upstream_node_ids or ()) | {
+        b.binding.promise.node_id for b in node.inputs if b.binding.promise is not None
+    }
+
+
+def outputs_of_plan(job: Any, values: dict[str, Outputs]) -> Outputs:
+    return {b.var: _binding_value(b.binding, values, f"output {b.var}") for b in job.outputs}

@@ -6,9 +6,10 @@
 `task` imports the Flyte entity by its name (module + attribute) and runs it:
 - a plain task: `entity.task_function(**inputs)`, inputs typed as its interface says (a dataclass
   input such as RunConfig arrives as a mapping and is rebuilt with its `from_json`);
-- a @dynamic: its function body runs for real (it may read storage to decide), but every Flyte
-  entity it calls is replaced by a recorder, so what comes out is the graph it builds: the calls
-  in order, each input a value or another call's output, and the dynamic's own output.
+- a @dynamic: compiled as on a cluster (record_plan): its body runs for real (it may read
+  storage to decide) and what comes out is the DynamicJobSpec propeller would be handed: the
+  nodes it starts with their inputs, overrides (resources, timeout, retries) and task templates,
+  and the dynamic's own output.
 
 `call` runs a plain function of the test suite (probes, the queue audit) the same way.
 The last line of stdout is MARKER followed by the result as JSON: a task's outputs keyed by its
@@ -94,68 +95,25 @@ def run_task(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- dynamic plans
 
 
-class Ref:
-    """A recorded call's output, as a Promise stands for a node's output in a dynamic."""
-
-    def __init__(self, call: int, var: str | None = None) -> None:
-        self.call, self.var = call, var
-
-    def __getattr__(self, var: str) -> Ref:
-        if var.startswith("_"):
-            raise AttributeError(var)
-        return Ref(self.call, var)
-
-    def with_overrides(self, **overrides: Any) -> Ref:
-        return self
-
-
-class Recorder:
-    def __init__(self, entity: Any, calls: list[dict[str, Any]]) -> None:
-        self.entity, self.calls = entity, calls
-
-    def __getattr__(self, attr: str) -> Any:  # name, python_interface, ... of the entity
-        return getattr(self.entity, attr)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Ref:
-        if args:
-            raise TypeError(f"{self.entity.name}: Flyte entities take keyword arguments only")
-        self.calls.append({"task": self.entity.name, "inputs": dict(kwargs)})
-        return Ref(len(self.calls) - 1)
-
-
-def _encode(value: Any) -> Any:
-    if isinstance(value, Ref):
-        return {"$ref": [value.call, value.var]}
-    return {"$value": to_json_value(value)}
-
-
 def record_plan(dynamic: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Run a dynamic's body with every Flyte entity of tasks.* and workflows.* replaced."""
-    from flytekit.core.base_task import PythonTask
-    from flytekit.core.workflow import WorkflowBase
+    """Compile a dynamic's body as pyflyte-execute does on a cluster (flytekit's
+    `compile_into_workflow`: the body runs for real, each call it makes becomes a node with the
+    overrides it was given) and return what propeller is handed, as JSON: {"job": a
+    DynamicJobSpec (nodes, their task templates, the outputs)}, or {"outputs": a LiteralMap}
+    when the body started no node."""
+    from flytekit.core.context_manager import FlyteContextManager
+    from flytekit.models.dynamic_job import DynamicJobSpec
+    from google.protobuf.json_format import MessageToDict
 
-    calls: list[dict[str, Any]] = []
-    patched: list[tuple[dict, str, Any]] = []
-    for mod_name, module in list(sys.modules.items()):
-        if mod_name.split(".")[0] not in ("tasks", "workflows") or module is None:
-            continue
-        namespace = vars(module)
-        for attr, value in list(namespace.items()):
-            if isinstance(value, (PythonTask, WorkflowBase)):
-                patched.append((namespace, attr, value))
-                namespace[attr] = Recorder(value, calls)
-    try:
-        result = dynamic.task_function(**kwargs)
-    finally:
-        for namespace, attr, value in patched:
-            namespace[attr] = value
-    return {
-        "calls": [
-            {"task": c["task"], "inputs": {k: _encode(v) for k, v in c["inputs"].items()}}
-            for c in calls
-        ],
-        "output": _encode(result),
-    }
+    from tests.rehearsal.flyte_rules import serialization_settings
+
+    ctx = FlyteContextManager.current_context().with_serialization_settings(
+        serialization_settings()
+    )
+    with FlyteContextManager.with_context(ctx) as ctx:
+        compiled = dynamic.compile_into_workflow(ctx, dynamic.task_function, **kwargs)
+    key = "job" if isinstance(compiled, DynamicJobSpec) else "outputs"
+    return {key: MessageToDict(compiled.to_flyte_idl())}
 
 
 def _note(text: str) -> None:
