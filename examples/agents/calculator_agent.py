@@ -62,8 +62,13 @@ def calculate(text: str) -> str:
     found = TOOL_CALL.search(text)
     if not found:
         return "error: no closing ')'"
+    return evaluate(found.group(1))
+
+
+def evaluate(expression: str) -> str:
+    """The calculator's answer to an expression: its value, or 'error: <reason>'."""
     try:
-        value = _evaluate(ast.parse(found.group(1).strip(), mode="eval").body)
+        value = _evaluate(ast.parse(expression.strip(), mode="eval").body)
     except (SyntaxError, ValueError, RecursionError) as err:
         return f"error: {err}"
     return str(value)
