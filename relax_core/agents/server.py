@@ -7,8 +7,9 @@ episode has its own base URL, `{url}/episodes/{id}/v1`, so any OpenAI client wor
     POST /episodes/{id}/v1/completions         prompt (text or token ids) -> one completion
     GET  /episodes/{id}/v1/models              the served model
 
-Answers: 200 served and recorded; 400 a request the endpoint refuses, or the episode's limits
-(env.max_turns calls, env.max_episode_tokens response tokens) are spent, which ends it; 401 no
+Answers: 200 served and recorded (`stream: true`: server-sent events, streaming.py); 400 a
+request the endpoint refuses (request.py), or the episode's limits (env.max_turns calls,
+env.max_episode_tokens response tokens, the policy's context) are spent, which ends it; 401 no
 or a wrong token; 404 unknown path or episode; 410 the episode has ended (timed out, or its
 rollout is over); 503 the engine failed or aborted the call (an OpenAI client retries these; a
 failed engine also fails the rollout, which the role retries). A refused call records nothing.
@@ -28,15 +29,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from relax_core.agents.batcher import BatcherClosed, EngineBatcher
-from relax_core.agents.chat import (
-    Conversation,
-    PromptRenderer,
-    RequestError,
-    parse_request,
-    remember,
-    response_body,
-)
+from relax_core.agents.chat import Conversation, PromptRenderer, remember, response_body
 from relax_core.agents.recorder import Call, Trajectory
+from relax_core.agents.request import Request, RequestError, parse_request
+from relax_core.agents.streaming import sse
+from relax_core.agents.toolcalls import ParsedReply, parse_reply, tool_names
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +50,9 @@ class CallLimits:
     """Response tokens a row (segment) may hold, sampled and observation tokens together."""
     max_new_tokens: int
     """Sampled tokens per call (a request's max_tokens may only lower it)."""
+    context: int | None = None
+    """Positions the policy takes (prompt + sampled); a call that would pass it is refused and
+    ends the episode. None: unknown (the engine checks)."""
 
 
 @dataclass
@@ -70,13 +70,18 @@ class EpisodeCalls:
     sampling_overrides: int = 0
     """Calls that asked for a temperature or top_p (the run's were used)."""
     engine_error: BaseException | None = None
+    tool_parse_errors: int = 0
+    """Replies to calls with tools whose text held a call that is not a valid one."""
 
 
 class AgentEndpoint:
     """The HTTP endpoint: episodes are opened and closed by the rollout that owns them."""
 
-    def __init__(self, tokenizer: Any, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.renderer = PromptRenderer(tokenizer)
+    def __init__(
+        self, tokenizer: Any, host: str = "127.0.0.1", port: int = 0, tool_parser: str = "hermes"
+    ) -> None:
+        self.renderer = PromptRenderer(tokenizer, tool_parser)
+        self.tool_parser = tool_parser
         self.token = secrets.token_urlsafe(24)
         self._episodes: dict[str, EpisodeCalls] = {}
         self._lock = threading.Lock()
@@ -115,8 +120,9 @@ class AgentEndpoint:
         with self._lock:
             return self._episodes.get(eid)
 
-    def serve_call(self, ep: EpisodeCalls, kind: str, body: Any) -> dict[str, Any]:
-        """One call: render, generate, record. RequestError for what is refused."""
+    def serve_call(self, ep: EpisodeCalls, kind: str, body: Any) -> tuple[Request, dict]:
+        """One call: render, generate, record; (the request, its response body). RequestError
+        for what is refused."""
         req = parse_request(kind, body)
         limits = ep.limits
         with ep.lock:
@@ -129,7 +135,8 @@ class AgentEndpoint:
                 raise RequestError(
                     f"this episode has made its {limits.max_calls} calls (env.max_turns)"
                 )
-            prompt_ids = self.renderer.prompt_ids(req, ep.conversation)
+            rendered = self.renderer.prompt_ids(req, ep.conversation)
+            prompt_ids = rendered.ids
             room = limits.max_episode_tokens - ep.trajectory.response_tokens_after(prompt_ids)
             cap = min(limits.max_new_tokens, room, req.max_tokens or limits.max_new_tokens)
             if cap < 1:
@@ -137,6 +144,13 @@ class AgentEndpoint:
                 raise RequestError(
                     f"this episode's {limits.max_episode_tokens} response tokens "
                     "(env.max_episode_tokens) are spent"
+                )
+            if limits.context is not None and len(prompt_ids) + cap > limits.context:
+                ep.limit_reached = "context"
+                raise RequestError(
+                    f"the prompt of {len(prompt_ids)} tokens plus {cap} to sample does not fit "
+                    f"the policy's context of {limits.context} positions; this episode has ended",
+                    "messages" if kind == "chat" else "prompt",
                 )
         try:
             comp = ep.batcher.submit(prompt_ids, cap)
@@ -152,35 +166,46 @@ class AgentEndpoint:
                 "the engine aborted the call (weights are changing); retry", status=503
             )
         high = comp.policy_version if comp.policy_version_max is None else comp.policy_version_max
-        sampled = list(comp.response_ids)
-        text = self.renderer.text(sampled)
+        sampled, logprobs, finish = list(comp.response_ids), list(comp.logprobs), comp.finish_reason
+        reopen = "" if finish == "stop" else None
+        cut = self.renderer.stop_cut(sampled, req.stop)
+        if cut is not None:
+            # The row keeps the ids up to the one that completed the stop string; the template's
+            # end-of-turn comes in as observation tokens on the next call.
+            k, text = cut
+            sampled, logprobs, finish = sampled[:k], logprobs[:k], "stop"
+            reopen = self.renderer.end_of_turn()
+        else:
+            text = self.renderer.text(sampled)
+        call = Call(prompt_ids, sampled, logprobs, finish, comp.policy_version, high)
+        parsed = self._reply(req, rendered.opening + text)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.tool_calls:
+            message["tool_calls"] = parsed.tool_calls
+            finish = "tool_calls"
         with ep.lock:
             if ep.closed:
                 raise RequestError("this episode has ended", status=410)
-            ep.trajectory.add(
-                Call(
-                    prompt_ids,
-                    sampled,
-                    list(comp.logprobs),
-                    comp.finish_reason,
-                    comp.policy_version,
-                    high,
-                )
-            )
-            remember(ep.conversation, req, prompt_ids, sampled, text, comp.finish_reason == "stop")
+            ep.trajectory.add(call)
+            full = self.renderer.text(sampled)
+            remember(ep.conversation, req, prompt_ids, sampled, full, message, reopen)
             ep.sampling_overrides += req.sampling_asked
+            ep.tool_parse_errors += parsed.errors
         texts = self.renderer.token_texts(sampled) if req.logprobs else None
-        return response_body(
-            req,
-            SERVED_MODEL,
-            text,
-            prompt_ids,
-            sampled,
-            list(comp.logprobs),
-            comp.finish_reason,
-            high,
-            texts,
+        body = response_body(
+            req, SERVED_MODEL, message, prompt_ids, sampled, logprobs, finish, high, texts
         )
+        return req, body
+
+    def _reply(self, req: Request, text: str) -> ParsedReply:
+        """The reply's content and tool calls: parsed when the request offers tools (and
+        tool_choice is not 'none'); parallel_tool_calls false keeps the first call."""
+        if req.kind != "chat" or not req.tools or req.tool_choice == "none":
+            return ParsedReply(text)
+        parsed = parse_reply(self.tool_parser, text, tool_names(req.tools))
+        if not req.parallel_tool_calls and len(parsed.tool_calls) > 1:
+            return ParsedReply(parsed.content, parsed.tool_calls[:1], parsed.errors)
+        return parsed
 
 
 def _handler(endpoint: AgentEndpoint) -> type[BaseHTTPRequestHandler]:
@@ -207,11 +232,18 @@ def _handler(endpoint: AgentEndpoint) -> type[BaseHTTPRequestHandler]:
             if length:
                 body = self.rfile.read(length)
             try:
-                self._send(200, self._answer(method, body))
+                answer = self._answer(method, body)
             except RequestError as err:
-                self._send(err.status, err.body())
+                return self._send(err.status, err.body())
+            if isinstance(answer, tuple):
+                req, answer = answer
+                if req.stream:
+                    return self._send_bytes(
+                        200, sse(answer, req.include_usage), "text/event-stream"
+                    )
+            self._send(200, answer)
 
-        def _answer(self, method: str, raw: bytes) -> dict[str, Any]:
+        def _answer(self, method: str, raw: bytes) -> dict[str, Any] | tuple[Request, dict]:
             given = self.headers.get("Authorization", "")
             if not given.startswith("Bearer ") or not hmac.compare_digest(
                 given[len("Bearer ") :].strip().encode(), token
@@ -244,9 +276,11 @@ def _handler(endpoint: AgentEndpoint) -> type[BaseHTTPRequestHandler]:
             return endpoint.serve_call(ep, _ROUTES[route], body)
 
         def _send(self, status: int, payload: dict[str, Any]) -> None:
-            data = json.dumps(payload).encode()
+            self._send_bytes(status, json.dumps(payload).encode(), "application/json")
+
+        def _send_bytes(self, status: int, data: bytes, content_type: str) -> None:
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)

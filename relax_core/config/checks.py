@@ -45,6 +45,8 @@ SERVER_ENGINES = ("sglang", "vllm")
 """Engines that are servers of their own, driven over HTTP and sent weights through their API."""
 TINY_POSITIONS = 512
 """Positions of the tiny models (models/tiny.py): prompt + response must fit."""
+TOOL_PARSERS = ("hermes", "llama3_json", "none")
+"""env.tool_parser's choices (agents/toolcalls.py has a parser for each)."""
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -87,6 +89,11 @@ def _check_env(e: list[str], cfg: RunSections) -> None:
                 "against an env or by your agent through the endpoint, not both"
             )
         positive(e, "env.agent_workers", v.agent_workers)
+        if v.tool_parser not in TOOL_PARSERS:
+            e.append(
+                f"env.tool_parser: unknown {v.tool_parser!r}; choose one of "
+                f"{', '.join(TOOL_PARSERS)} (the format the policy writes tool calls in)"
+            )
         if not v.agent_timeout_s > 0:
             e.append(f"env.agent_timeout_s: must be > 0, got {v.agent_timeout_s}")
         if cfg.warm_start.steps:

@@ -184,6 +184,10 @@ class EnvConfig:
     row's response tokens."""
     agent_workers: int = 8
     """Episodes whose agents run at once (threads)."""
+    tool_parser: str = "hermes"
+    """How the endpoint reads tool calls in a reply to a request with `tools`: 'hermes'
+    (<tool_call>{json}</tool_call>: Qwen, Hermes), 'llama3_json' (a JSON object, Llama 3.1+)
+    or 'none' (replies stay text)."""
     agent_timeout_s: float = 300.0
     """An agent still running after this long loses its episode (its later calls are refused)."""
 

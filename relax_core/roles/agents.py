@@ -12,9 +12,9 @@ async trainer's eval take either.
 
 How an episode ends (end_reason -> finish_reason of its last row; earlier segments 'stop'):
 - "done": the agent returned -> its last call's finish ('stop', or 'length' at the token cap);
-- "max_turns" / "token_budget": the endpoint refused a call past env.max_turns calls or
-  env.max_episode_tokens response tokens -> 'stop' / 'length'; the agent's reward still counts
-  if it returned one (0 if it raised);
+- "max_turns" / "token_budget" / "context": the endpoint refused a call past env.max_turns
+  calls, env.max_episode_tokens response tokens, or the policy's context -> 'stop' / 'length'
+  / 'length'; the agent's reward still counts if it returned one (0 if it raised);
 - "agent_error" / "timeout": the agent raised, returned something malformed, or ran past
   env.agent_timeout_s -> 'abort', reward 0 and loss_mask 0 (an infrastructure failure is not
   a judgement of the model's tokens); counted in rollout/agent_errors, rollout/agent_timeouts.
@@ -42,7 +42,7 @@ from relax_core.rollout.engine import RolloutEngine, SamplingParams
 
 log = logging.getLogger(__name__)
 
-END_REASONS = ("done", "max_turns", "token_budget", "agent_error", "timeout")
+END_REASONS = ("done", "max_turns", "token_budget", "context", "agent_error", "timeout")
 _FAILED = ("agent_error", "timeout")
 
 
@@ -54,6 +54,7 @@ class AgentEpisode:
     error: str = ""
     sampling_overrides: int = 0
     calls: int = 0
+    tool_parse_errors: int = 0
 
     @property
     def reward(self) -> float:
@@ -86,6 +87,8 @@ class AgentRunner:
     timeout_s: float
     overlong_buffer: int = 0
     overlong_penalty_max: float = 0.0
+    tool_parser: str = "hermes"
+    """env.tool_parser: how the endpoint reads tool calls in replies."""
     _endpoint: AgentEndpoint | None = field(default=None, repr=False)
 
     @property
@@ -94,7 +97,7 @@ class AgentRunner:
             # An OpenAI client logs every request at INFO: thousands of lines a step in the run log.
             for name in ("httpx", "httpx2"):
                 logging.getLogger(name).setLevel(logging.WARNING)
-            self._endpoint = AgentEndpoint(self.tokenizer)
+            self._endpoint = AgentEndpoint(self.tokenizer, tool_parser=self.tool_parser)
             log.info("agent endpoint serving on %s", self._endpoint.url)
         return self._endpoint
 
@@ -110,7 +113,10 @@ class AgentRunner:
         An engine failure during any call raises after the episodes end (the role retries)."""
         endpoint = self.endpoint
         limits = CallLimits(
-            self.limits.max_calls, self.limits.max_episode_tokens, params.max_new_tokens
+            self.limits.max_calls,
+            self.limits.max_episode_tokens,
+            params.max_new_tokens,
+            _context(self.limits.context, engine),
         )
         running: dict[int, tuple[str, float]] = {}
         batcher = EngineBatcher(engine, params, waiting_for=lambda: len(running))
@@ -208,7 +214,9 @@ class AgentRunner:
             finish = "stop"
             if last and ep.failed:
                 finish = "abort"
-            elif last and (ep.end_reason == "token_budget" or seg.finish_reason == "length"):
+            elif last and (
+                ep.end_reason in ("token_budget", "context") or seg.finish_reason == "length"
+            ):
                 finish = "length"
             reward, row_info = ep.reward, {**info, "segment": j}
             penalty = overlong_penalty(
@@ -280,7 +288,15 @@ def _episode(
         error,
         rec.sampling_overrides,
         rec.trajectory.calls,
+        rec.tool_parse_errors,
     )
+
+
+def _context(configured: int | None, engine: RolloutEngine) -> int | None:
+    """The positions a call may fill: the policy's, and a server engine's own where it says."""
+    served = engine.context() if callable(getattr(engine, "context", None)) else None
+    known = [c for c in (configured, served) if c]
+    return min(known) if known else None
 
 
 def agent_metrics(episodes: Sequence[AgentEpisode], prefix: str) -> dict[str, float]:
@@ -300,6 +316,7 @@ def agent_metrics(episodes: Sequence[AgentEpisode], prefix: str) -> dict[str, fl
         f"{prefix}/agent_timeouts": float(sum(ep.end_reason == "timeout" for ep in episodes)),
         f"{prefix}/sampling_overrides": float(sum(ep.sampling_overrides for ep in episodes)),
         f"{prefix}/tool_calls": calls / n,
+        f"{prefix}/tool_parse_errors": float(sum(ep.tool_parse_errors for ep in episodes)),
     }
     if calls:
         metrics[f"{prefix}/tool_call_validity"] = sum(v for _, v in tools) / calls

@@ -67,6 +67,15 @@ def check_env(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def policy_positions(cfg: RunConfig, model: Any) -> int | None:
+    """Positions the policy takes (prompt + response): the tiny models', or the in-process
+    policy's config; None when neither is known here (a server engine says its own)."""
+    if cfg.model.kind in ("tiny-qwen3", "tiny-omni"):
+        return TINY_POSITIONS
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return positions if isinstance(positions, int) and positions > 0 else None
+
+
 def response_budget(cfg: RunConfig) -> int:
     """Most response tokens of a row: Dr. GRPO's fixed length and the overlong budget."""
     return cfg.env.max_episode_tokens if cfg.env.episodic else cfg.rollout.max_new_tokens
@@ -177,11 +186,17 @@ def env_runner(cfg: RunConfig, model: Any, tokenizer: Any) -> EnvRunner | AgentR
         return AgentRunner(
             load_agent(v.agent),
             tokenizer,
-            CallLimits(v.max_turns, v.max_episode_tokens, cfg.rollout.max_new_tokens),
+            CallLimits(
+                v.max_turns,
+                v.max_episode_tokens,
+                cfg.rollout.max_new_tokens,
+                policy_positions(cfg, model),
+            ),
             v.agent_workers,
             v.agent_timeout_s,
             cfg.reward.overlong_buffer,
             cfg.reward.overlong_penalty,
+            tool_parser=v.tool_parser,
         )
     if not cfg.env.name:
         return None

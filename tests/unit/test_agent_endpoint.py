@@ -218,8 +218,7 @@ def test_refused_requests_say_why_and_record_nothing():
         msgs = [{"role": "user", "content": "hi"}]
         for name, extra in {
             "n": {"n": 2},
-            "stop": {"stop": ["x"]},
-            "stream": {"stream": True},
+            "seed": {"seed": 1},
         }.items():
             try:
                 client.chat.completions.create(model=model, messages=msgs, **extra)
@@ -245,8 +244,8 @@ def test_refused_requests_say_why_and_record_nothing():
     engine = ReplyEngine(tok, calculator_reply)
     rows, _ = runner(tok, probing_agent).rollout(engine, items(tok), PARAMS, 1)
     assert engine.calls == [] and rows[0]["response_ids"] == [] and rows[0]["turns"] == 0
-    assert "one choice per call" in seen["n"] and "stop sequences" in seen["stop"]
-    assert "stream" in seen["stream"] and "image_url" in seen["image"]
+    assert "one choice per call" in seen["n"] and "seed=1 is not supported" in seen["seed"]
+    assert "image_url" in seen["image"]
     assert "bearer token" in seen["token"] and seen["models"] == "policy"
     assert seen["unknown"] == "401"
 
