@@ -190,6 +190,10 @@ class EnvConfig:
     or 'none' (replies stay text)."""
     agent_timeout_s: float = 300.0
     """An agent still running after this long loses its episode (its later calls are refused)."""
+    max_failed_agent_steps: int = 2
+    """Steps in a row whose every agent episode failed (agent_error or timeout) after which the
+    run stops with the first agent error; a held-out eval whose every episode failed stops it at
+    once (0 = never stop)."""
 
     @property
     def episodic(self) -> bool:

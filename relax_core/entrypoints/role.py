@@ -19,6 +19,7 @@ from relax_core.roles.torchrun import die_with_torchrun
 # (a start that timed out) must not live on without it.
 die_with_torchrun()
 
+from relax_core.agents.failures import AgentsFailed  # noqa: E402
 from relax_core.config import ConfigError  # noqa: E402
 from relax_core.queue import StorageUnavailable  # noqa: E402
 from relax_core.roles.service import ROLES, load_run_config, run_role  # noqa: E402
@@ -68,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     except StorageUnavailable as exc:
         print(f"error: {name}: {exc}", file=sys.stderr)
         return StorageUnavailable.exit_code
+    except AgentsFailed as exc:
+        # stdout is the role's log, where the supervisor reads the reason the run stopped.
+        for stream in (sys.stdout, sys.stderr):
+            print(f"error: {name}: {exc}", file=stream, flush=True)
+        return AgentsFailed.exit_code
     return 0
 
 

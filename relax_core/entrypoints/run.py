@@ -7,6 +7,7 @@ import argparse
 import logging
 import sys
 
+from relax_core.agents.failures import AgentsFailed
 from relax_core.config import ConfigError, load_config
 from relax_core.queue import StorageUnavailable
 from relax_core.roles.stacks import dump_stacks_on_signal
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     except StorageUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return StorageUnavailable.exit_code
+    except AgentsFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return AgentsFailed.exit_code
     return 0
 
 

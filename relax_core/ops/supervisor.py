@@ -41,6 +41,7 @@ import sys
 import time
 from dataclasses import fields
 
+from relax_core.agents.failures import AgentsFailed
 from relax_core.config import RunConfig, config_to_dict
 from relax_core.ops.elastic import ElasticPool
 from relax_core.ops.notify import Notifier
@@ -365,6 +366,8 @@ class Supervisor:
         trainer_done_at: float | None = None
         while True:
             for rp, what in self._failures():
+                if rp.exit_code == AgentsFailed.exit_code:  # restarting it would fail again
+                    raise AgentsFailed(_error_line(rp.log_path) or f"{rp.name} {what}")
                 if rp.exit_code == StorageUnavailable.exit_code:
                     raise StorageUnavailable(
                         f"{rp.name} {what}: its storage stayed unreachable past "
@@ -398,3 +401,15 @@ class Supervisor:
 def run_async_local(cfg: RunConfig, checkpoint: str) -> str:
     """Train from `checkpoint` to `train.total_steps` with every role its own process."""
     return Supervisor(cfg, checkpoint).run()
+
+
+def _error_line(log_path: str) -> str:
+    """The last `error: ...` line a role printed to its log (what it stopped on), or ''."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(log_path) - 16384))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    found = [line for line in lines if line.startswith("error: ")]
+    return found[-1].removeprefix("error: ") if found else ""

@@ -33,6 +33,7 @@ from typing import Any
 
 from relax_core.agents.agent import AgentFn, AgentResult, call_agent, parse_result
 from relax_core.agents.batcher import EngineBatcher
+from relax_core.agents.failures import all_failed
 from relax_core.agents.recorder import Segment
 from relax_core.agents.server import SERVED_MODEL, AgentEndpoint, CallLimits, EpisodeCalls
 from relax_core.algorithms.dapo import overlong_penalty
@@ -87,6 +88,9 @@ class AgentRunner:
     timeout_s: float
     overlong_buffer: int = 0
     overlong_penalty_max: float = 0.0
+    stop_when_eval_fails: bool = True
+    """A held-out eval whose every episode failed raises AgentsFailed (env.max_failed_agent_steps
+    > 0)."""
     tool_parser: str = "hermes"
     """env.tool_parser: how the endpoint reads tool calls in replies."""
     _endpoint: AgentEndpoint | None = field(default=None, repr=False)
@@ -256,6 +260,8 @@ class AgentRunner:
         n = len(source.rows) if limit <= 0 else min(limit, len(source.rows))
         params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
         eps = self.episodes(engine, source.rows[:n], params)
+        if self.stop_when_eval_fails:
+            all_failed([ep.error for ep in eps if ep.failed], len(eps), "the held-out eval")
         metrics = agent_metrics(eps, "eval")
         metrics.update(
             {

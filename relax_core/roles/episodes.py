@@ -197,6 +197,7 @@ def env_runner(cfg: RunConfig, model: Any, tokenizer: Any) -> EnvRunner | AgentR
             cfg.reward.overlong_buffer,
             cfg.reward.overlong_penalty,
             tool_parser=v.tool_parser,
+            stop_when_eval_fails=v.max_failed_agent_steps > 0,
         )
     if not cfg.env.name:
         return None

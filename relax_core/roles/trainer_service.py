@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from relax_core.agents.failures import count_failed_step, failed_step_error
 from relax_core.queue import (
     split_over_stale,
     staleness_histogram,
@@ -287,6 +288,12 @@ class AsyncTrainer:
         v = state.policy_version
         t0 = time.perf_counter()
         batch, waited = self.next_batch()
+        # A batch whose every agent episode failed trains nothing; enough in a row stop the run.
+        state.failed_agent_steps = count_failed_step(
+            state.failed_agent_steps,
+            failed_step_error(batch.column("reward_info").to_pylist()),
+            cfg.env.max_failed_agent_steps,
+        )
         dropped = 0
         if cfg.services.drop_over_stale:
             batch, dropped = split_over_stale(batch, v, r.max_staleness)

@@ -25,6 +25,7 @@ import time
 
 import pyarrow as pa
 
+from relax_core.agents.failures import count_failed_step, first_failure
 from relax_core.queue import ROW_SCHEMA, rows_to_table
 from relax_core.roles.advantages import advantages_of
 from relax_core.roles.episodes import response_budget
@@ -101,6 +102,7 @@ class ColocateController:
         r = self.s.cfg.rollout
         rows, metrics = self._generate(r.groups_per_step)
         if not r.dynamic_sampling:
+            self._count_agent_failures(rows)
             return rows, metrics
         kept, rounds, generated = informative_groups(rows), 1, list(rows)
         while _n_groups(kept) < r.groups_per_step and rounds < r.max_sampling_rounds:
@@ -123,6 +125,7 @@ class ColocateController:
                 "rollout/unfilled_groups": float(max(0, r.groups_per_step - _n_groups(kept))),
             }
         )
+        self._count_agent_failures(generated)
         if not kept:
             raise RuntimeError(
                 f"dynamic sampling found no group with differing rewards in {rounds} rounds of "
@@ -130,6 +133,16 @@ class ColocateController:
                 "reward (every sample scored the same)"
             )
         return kept, metrics
+
+    def _count_agent_failures(self, rows: list[dict]) -> None:
+        """A step whose every agent episode failed counts; env.max_failed_agent_steps of them in
+        a row stop the run (AgentsFailed)."""
+        s = self.s
+        s.state.failed_agent_steps = count_failed_step(
+            s.state.failed_agent_steps,
+            first_failure(row["reward_info"] for row in rows),
+            s.cfg.env.max_failed_agent_steps,
+        )
 
     def step(self) -> dict[str, float]:
         """One RL step: version v -> v+1. Returns the step's metrics."""

@@ -32,6 +32,8 @@ class RunState:
     """Async trainer: `ready` entries fully trained (StageCursor) plus, under "partial", the
     group ids already trained of entries a step batch split."""
     rng: dict[str, Any] = field(default_factory=dict)
+    failed_agent_steps: int = 0
+    """Steps in a row whose every agent episode failed (agents/failures.py)."""
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> RunState:
