@@ -279,11 +279,17 @@ def test_tool_choice_required_opens_the_call_in_the_prompt_and_the_model_writes_
                 tool_choice=choice,
                 parallel_tool_calls=False,
             ).choices[0]
+        twice = [{"role": "user", "content": "twice"}]
+        got["parallel"] = c.chat.completions.create(
+            model=model, messages=twice, tools=[CALC], parallel_tool_calls=False
+        ).choices[0]
         return 1.0
 
     def reply(text):
         if text.endswith('"arguments":'):
             return " " + ARGS + "}</tool_call>"
+        if "twice" in text:
+            return 2 * '<tool_call>{"name": "calc", "arguments": {}}</tool_call>'
         return tool_reply(text)
 
     engine = ReplyEngine(tok, reply)
@@ -291,6 +297,7 @@ def test_tool_choice_required_opens_the_call_in_the_prompt_and_the_model_writes_
     for choice in got.values():
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         assert choice.message.tool_calls[0].function.name == "calc"
+    assert len(got["parallel"].message.tool_calls) == 1  # parallel_tool_calls false: the first
     # the opening is prompt (never trained); the row holds exactly what the engine sampled
     assert tok.decode(engine.calls[0][0]).endswith("assistant: <tool_call>\n")
     assert_rows_hold_engine_tokens(rows, engine)
@@ -365,6 +372,10 @@ def test_what_the_endpoint_cannot_honour_is_refused_by_name():
                 c.chat.completions.create(model=model, messages=msgs, **extra)
             except openai.BadRequestError as err:
                 seen[name] = err
+        try:  # a refused streamed request is a plain 400, as unstreamed
+            c.chat.completions.create(model=model, messages=msgs, stream=True, seed=1)
+        except openai.BadRequestError as err:
+            seen["streamed seed"] = err
         # harmless fields frameworks send are served
         c.chat.completions.create(
             model=model,
@@ -381,9 +392,9 @@ def test_what_the_endpoint_cannot_honour_is_refused_by_name():
 
     engine = ReplyEngine(tok, tool_reply)
     rows, _ = run(tok, agent, engine)
-    assert set(seen) == set(asks)
+    assert set(seen) == {*asks, "streamed seed"}
     for name, err in seen.items():
-        assert err.param == name, (name, err.param, str(err))
+        assert err.param == name.split()[-1], (name, err.param, str(err))
     assert len(engine.calls) == 1 and rows[0]["turns"] == 1
 
 
