@@ -30,10 +30,13 @@ PLAIN_FORMAT = "\n{role}: {content}\n"
 _MEDIA_MARK = "\x00relax-media\x00"
 # Conversations the observation is rendered after. A system message first: templates that
 # render an assistant turn differently once it is no longer last (Qwen3's think block) would
-# otherwise break the prefix property. The second serves templates that refuse a system role.
+# otherwise break the prefix property. The second serves templates that refuse a system role;
+# the third, templates that refuse a conversation without a user turn (Qwen3 raises "No user
+# query found in messages.") when the new messages are tool results.
 _ANCHORS: tuple[tuple[dict[str, str], ...], ...] = (
     ({"role": "system", "content": "x"},),
     ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}),
+    ({"role": "user", "content": "x"},),
 )
 
 

@@ -43,6 +43,20 @@ TOOLS = (
     " | tojson }}</tool_call>{%- endfor -%}</s>\n{% endfor -%}"
     "{%- if add_generation_prompt -%}assistant: {% endif -%}"
 )
+# Qwen3's ways with tool turns: no conversation without a user query, and the think block of
+# an assistant turn after it only while that turn is last.
+QWEN3_LIKE = (
+    "{%- set ns = namespace(query=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.query = loop.index0 -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if ns.query < 0 -%}{{ raise_exception('No user query found in messages.') }}{%- endif -%}"
+    "{%- if tools -%}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}</s>\n"
+    "{% endif -%}"
+    "{%- for m in messages -%}{{ m['role'] + ': ' }}"
+    "{%- if m['role'] == 'assistant' and loop.last and loop.index0 > ns.query -%}<think>"
+    "{%- endif -%}{{ m['content'] }}</s>\n{% endfor -%}"
+    "{%- if add_generation_prompt -%}assistant: {% endif -%}"
+)
 CALC = {
     "type": "function",
     "function": {
@@ -104,8 +118,9 @@ def sent_back(message, form: str) -> dict:
     return {"role": "assistant", "content": message.content, "tool_calls": calls}  # Agents SDK
 
 
-def test_tool_calls_come_back_as_tool_calls_and_the_tool_turn_extends_the_same_row():
-    tok = tokenizer()
+@pytest.mark.parametrize("template", [TOOLS, QWEN3_LIKE], ids=["hermes", "qwen3-like"])
+def test_tool_calls_come_back_as_tool_calls_and_the_tool_turn_extends_the_same_row(template):
+    tok = tokenizer(template)
     seen: dict[str, object] = {}
 
     def tool_agent(sample, *, base_url, api_key, model):
