@@ -29,11 +29,18 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from relax_core.agents.batcher import BatcherClosed, EngineBatcher
-from relax_core.agents.chat import Conversation, PromptRenderer, remember, response_body
+from relax_core.agents.chat import (
+    Conversation,
+    PromptRenderer,
+    Rendered,
+    remember,
+    response_body,
+)
 from relax_core.agents.recorder import Call, Trajectory
 from relax_core.agents.request import Request, RequestError, parse_request
 from relax_core.agents.streaming import sse
 from relax_core.agents.toolcalls import ParsedReply, parse_reply, tool_names
+from relax_core.rollout.engine import Completion
 
 log = logging.getLogger(__name__)
 
@@ -124,47 +131,9 @@ class AgentEndpoint:
         """One call: render, generate, record; (the request, its response body). RequestError
         for what is refused."""
         req = parse_request(kind, body)
-        limits = ep.limits
-        with ep.lock:
-            if ep.closed:
-                raise RequestError("this episode has ended", status=410)
-            if ep.limit_reached:
-                raise RequestError(f"this episode has ended ({ep.limit_reached})")
-            if ep.trajectory.calls >= limits.max_calls:
-                ep.limit_reached = "max_turns"
-                raise RequestError(
-                    f"this episode has made its {limits.max_calls} calls (env.max_turns)"
-                )
-            rendered = self.renderer.prompt_ids(req, ep.conversation)
-            prompt_ids = rendered.ids
-            room = limits.max_episode_tokens - ep.trajectory.response_tokens_after(prompt_ids)
-            cap = min(limits.max_new_tokens, room, req.max_tokens or limits.max_new_tokens)
-            if cap < 1:
-                ep.limit_reached = "token_budget"
-                raise RequestError(
-                    f"this episode's {limits.max_episode_tokens} response tokens "
-                    "(env.max_episode_tokens) are spent"
-                )
-            if limits.context is not None and len(prompt_ids) + cap > limits.context:
-                ep.limit_reached = "context"
-                raise RequestError(
-                    f"the prompt of {len(prompt_ids)} tokens plus {cap} to sample does not fit "
-                    f"the policy's context of {limits.context} positions; this episode has ended",
-                    "messages" if kind == "chat" else "prompt",
-                )
-        try:
-            comp = ep.batcher.submit(prompt_ids, cap)
-        except BatcherClosed as err:
-            raise RequestError(str(err), status=410) from err
-        except Exception as err:  # noqa: BLE001 - the rollout sees it through engine_error
-            ep.engine_error = err
-            raise RequestError(
-                f"the engine failed: {type(err).__name__}: {err}", status=503
-            ) from err
-        if comp.finish_reason == "abort":
-            raise RequestError(
-                "the engine aborted the call (weights are changing); retry", status=503
-            )
+        rendered, cap = self._admit(ep, req)
+        prompt_ids = rendered.ids
+        comp = self._generate(ep, prompt_ids, cap)
         high = comp.policy_version if comp.policy_version_max is None else comp.policy_version_max
         sampled, logprobs, finish = list(comp.response_ids), list(comp.logprobs), comp.finish_reason
         reopen = "" if finish == "stop" else None
@@ -196,6 +165,55 @@ class AgentEndpoint:
             req, SERVED_MODEL, message, prompt_ids, sampled, logprobs, finish, high, texts
         )
         return req, body
+
+    def _admit(self, ep: EpisodeCalls, req: Request) -> tuple[Rendered, int]:
+        """The call's prompt and token cap, or RequestError: the episode has ended, or this call
+        would pass one of its limits (which ends it)."""
+        limits = ep.limits
+        with ep.lock:
+            if ep.closed:
+                raise RequestError("this episode has ended", status=410)
+            if ep.limit_reached:
+                raise RequestError(f"this episode has ended ({ep.limit_reached})")
+            if ep.trajectory.calls >= limits.max_calls:
+                ep.limit_reached = "max_turns"
+                raise RequestError(
+                    f"this episode has made its {limits.max_calls} calls (env.max_turns)"
+                )
+            rendered = self.renderer.prompt_ids(req, ep.conversation)
+            n = len(rendered.ids)
+            room = limits.max_episode_tokens - ep.trajectory.response_tokens_after(rendered.ids)
+            cap = min(limits.max_new_tokens, room, req.max_tokens or limits.max_new_tokens)
+            if cap < 1:
+                ep.limit_reached = "token_budget"
+                raise RequestError(
+                    f"this episode's {limits.max_episode_tokens} response tokens "
+                    "(env.max_episode_tokens) are spent"
+                )
+            if limits.context is not None and n + cap > limits.context:
+                ep.limit_reached = "context"
+                raise RequestError(
+                    f"the prompt of {n} tokens plus {cap} to sample does not fit the policy's "
+                    f"context of {limits.context} positions; this episode has ended",
+                    "messages" if req.kind == "chat" else "prompt",
+                )
+        return rendered, cap
+
+    def _generate(self, ep: EpisodeCalls, prompt_ids: list[int], cap: int) -> Completion:
+        try:
+            comp = ep.batcher.submit(prompt_ids, cap)
+        except BatcherClosed as err:
+            raise RequestError(str(err), status=410) from err
+        except Exception as err:  # noqa: BLE001 - the rollout sees it through engine_error
+            ep.engine_error = err
+            raise RequestError(
+                f"the engine failed: {type(err).__name__}: {err}", status=503
+            ) from err
+        if comp.finish_reason == "abort":
+            raise RequestError(
+                "the engine aborted the call (weights are changing); retry", status=503
+            )
+        return comp
 
     def _reply(self, req: Request, text: str) -> ParsedReply:
         """The reply's content and tool calls: parsed when the request offers tools (and
