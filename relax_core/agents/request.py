@@ -8,9 +8,10 @@ Every field is honoured, accepted at its no-op value, or refused; none is ignore
   configured with): a request asking for others is served with the run's and counted;
 - accepted, as they change nothing the model samples: user, safety_identifier, metadata,
   service_tier, prompt_cache_key / _retention / _options, store: false;
-- accepted only at their no-op value, else refused: seed, frequency_penalty,
-  presence_penalty, logit_bias, top_logprobs, response_format {"type": "text"}, store, echo,
-  best_of, suffix, and the rest of NOOP below;
+- accepted only at their no-op value, else refused: frequency_penalty and presence_penalty 0,
+  logit_bias {}, top_logprobs 0, response_format {"type": "text"}, store / echo false,
+  best_of 1 (NOOP below); seed, reasoning_effort and the others NOOP gives no value for are
+  refused whenever set (there is no guided decoding and no seeded sampling);
 - any other field is refused, so a request never silently gets less than it asked for.
 """
 
