@@ -14,10 +14,14 @@ of `--band` steps), seconds per step (`perf/step_s`, the first step left out as 
 run's wall time. Tool-call validity is valid calls / calls, so it is absent ("-") where no
 episode called the tool.
 
-    python bench/agent_tool.py [--seeds 0,1,2] [--cpus 0,1] [--band 3] [--keep DIR]
+    python bench/agent_tool.py [--seeds 0,1,2] [--cpus 0,1] [--band 3] [--keep DIR] [--config C]
 
-Last line: `headline: smollm2_tool_success_gain = X`, the mean over seeds of final minus
-initial held-out success.
+`--config configs/smollm2-135m-langchain-cpu.yaml` runs the same task played by a LangChain
+agent through the OpenAI-compatible endpoint (Hermes tool calls, warm start on the agent's own
+demonstrations) instead of the env loop.
+
+Last line: `headline: smollm2_tool_success_gain = X` (the LangChain config:
+`smollm2_langchain_success_gain`), the mean over seeds of final minus initial held-out success.
 """
 
 from __future__ import annotations
@@ -45,6 +49,10 @@ from bench.common import (
 )
 
 CONFIG = os.path.join(REPO, "configs", "smollm2-135m-tool-cpu.yaml")
+HEADLINES = {
+    "smollm2-135m-tool-cpu": "smollm2_tool_success_gain",
+    "smollm2-135m-langchain-cpu": "smollm2_langchain_success_gain",
+}
 EVAL = ("eval/success_rate", "eval/tool_call_validity", "eval/tool_calls")
 PER_STEP = (
     "rollout/success_rate",
@@ -56,10 +64,10 @@ PER_STEP = (
 )
 
 
-def _config(work: str, seed: int):
+def _config(work: str, seed: int, config: str = CONFIG):
     from relax_core.config import load_config, replace
 
-    cfg = load_config(CONFIG)
+    cfg = load_config(config)
     return replace(
         cfg, seed=seed, **work_sections(work, experiment="bench-agent-tool"), **repo_data(cfg)
     )
@@ -80,8 +88,8 @@ def _metrics(cfg) -> dict[str, dict[int, float]]:
     return {key: _history(client, run.info.run_id, key) for key in EVAL + PER_STEP}
 
 
-def run_seed(work: str, seed: int) -> dict:
-    cfg = _config(work, seed)
+def run_seed(work: str, seed: int, config: str = CONFIG) -> dict:
+    cfg = _config(work, seed, config)
     t0 = time.perf_counter()
     prepared_policy(cfg)  # the warm start, keyed on the seed; cached for the run to find
     prepare_s = time.perf_counter() - t0
@@ -146,7 +154,7 @@ def _report_seed(res: dict, band: int) -> None:
 
 
 def _summary(args, results: list[dict]) -> None:
-    print(f"\ncpus {args.cpus}, seeds {[r['seed'] for r in results]}, config {CONFIG}")
+    print(f"\ncpus {args.cpus}, seeds {[r['seed'] for r in results]}, config {args.config}")
     print("| seed | held-out success | held-out tool-call validity | s/step | run wall s |")
     print("| --- | --- | --- | --- | --- |")
     gains, all_steps = [], []
@@ -168,7 +176,9 @@ def _summary(args, results: list[dict]) -> None:
     walls = [r["wall_s"] for r in results]
     print(f"run wall: {_span(walls, '.0f')} s (warm start timed apart, see each seed)")
     print(f"success gain per seed: {', '.join(f'{g:+.2f}' for g in gains)}")
-    print(f"headline: smollm2_tool_success_gain = {statistics.mean(gains):.2f}")
+    name = os.path.basename(args.config).removesuffix(".yaml")
+    headline = HEADLINES.get(name, name.replace("-", "_") + "_success_gain")
+    print(f"headline: {headline} = {statistics.mean(gains):.2f}")
 
 
 def main() -> None:
@@ -177,12 +187,13 @@ def main() -> None:
     parser.add_argument("--cpus", default="0,1", help="CPU set every process runs on")
     parser.add_argument("--band", type=int, default=3, help="steps per rollout band")
     parser.add_argument("--keep", help="keep run directories under this path (default: temp)")
+    parser.add_argument("--config", default=CONFIG, help="the run config (default: %(default)s)")
     args = parser.parse_args()
     os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})  # inherited by every run
     results = []
     for seed in (int(s) for s in args.seeds.split(",")):
         with tempfile.TemporaryDirectory(prefix=f"bench-agent-tool-{seed}-", dir=args.keep) as work:
-            results.append(run_seed(work, seed))
+            results.append(run_seed(work, seed, args.config))
         _report_seed(results[-1], args.band)
     _summary(args, results)
 

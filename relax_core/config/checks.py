@@ -97,8 +97,6 @@ def _check_env(e: list[str], cfg: RunSections) -> None:
         if not v.agent_timeout_s > 0:
             e.append(f"env.agent_timeout_s: must be > 0, got {v.agent_timeout_s}")
         positive(e, "env.max_failed_agent_steps", v.max_failed_agent_steps, allow_zero=True)
-        if cfg.warm_start.steps:
-            e.append("warm_start.steps: an agent run has no demonstrations to warm-start on; use 0")
         if cfg.model.kind not in ("tiny-qwen3", "pretrained"):
             e.append(
                 f"env.agent: the endpoint serves text policies (model.kind 'tiny-qwen3' or "

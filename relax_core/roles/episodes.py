@@ -21,6 +21,7 @@ from relax_core.config import RunConfig
 from relax_core.config.checks import TINY_POSITIONS
 from relax_core.data.prompts import PromptItem, PromptSource
 from relax_core.envs import EnvFactory, resolve_env
+from relax_core.roles.agent_demos import DEMONSTRATION, demonstration_of
 from relax_core.roles.agents import AgentRunner
 from relax_core.roles.rollout import group_columns, rollout_metrics
 from relax_core.rollout.engine import RolloutEngine, SamplingParams
@@ -37,6 +38,11 @@ def check_env(cfg: RunConfig) -> list[str]:
             load_agent(cfg.env.agent)
         except (ValueError, TypeError) as exc:
             return [str(exc)]
+        if cfg.warm_start.steps and demonstration_of(cfg.env.agent) is None:
+            return [
+                f"warm_start.steps: env.agent {cfg.env.agent!r}: its module defines no "
+                f"{DEMONSTRATION}(sample) to warm-start on; add one (docs/agents.md) or use 0"
+            ]
         return []
     try:
         resolve_env(cfg.env.name, **cfg.env.kwargs)

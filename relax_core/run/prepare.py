@@ -268,11 +268,15 @@ def _run_warm_start(cfg: PolicySpec, model, tokenizer) -> dict[str, object]:
             media_placeholders(row, model.spec, model.media_token_id) + ids
             for row, ids in zip(rows, prompt_ids, strict=True)
         ]
+    w = cfg.warm_start
     if cfg.env.name:
         examples, media = demonstration_examples(cfg, model, tokenizer, rows, prompt_ids, media)
+    elif cfg.env.agent:
+        from relax_core.roles.agent_demos import agent_demonstration_examples
+
+        examples = agent_demonstration_examples(cfg.env, tokenizer, rows, w.steps * w.batch_size)
     else:
         examples = answer_examples(tokenizer, prompt_ids, [row["answer"] for row in rows])
-    w = cfg.warm_start
     matmuls = resolve_matmul_dtype(cfg.model.matmul_dtype)
     result = warm_start(
         model,

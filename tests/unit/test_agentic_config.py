@@ -161,7 +161,6 @@ AGENT = str(REPO / "configs" / "cpu-agent.yaml")
         ({"env": {"name": "calculator"}}, "env.agent: set together with env.name"),
         ({"env": {"agent_workers": 0}}, "env.agent_workers: must be > 0"),
         ({"env": {"agent_timeout_s": 0}}, "env.agent_timeout_s: must be > 0"),
-        ({"warm_start": {"steps": 5}}, "an agent run has no demonstrations"),
         ({"env": {"kwargs": {"a": "1"}}}, "an agent takes no env kwargs"),
         ({"env": {"max_turns": 0}}, "env.max_turns: must be > 0, got 0"),
     ],

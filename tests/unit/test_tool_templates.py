@@ -32,6 +32,7 @@ SMOLLM2_OWN = (
     "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+JSON_CHARS = '<>_{}[]"|'  # what tool calls and schemas are written with, beyond the tiny charset
 TOOLS = [
     {
         "type": "function",
@@ -67,7 +68,7 @@ PLAIN = [
 def _chatml_tokenizer() -> PreTrainedTokenizerFast:
     """One token per character, plus ChatML's <|im_start|> and <|im_end|> (the end of turn)."""
     specials = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
-    vocab = {tok: i for i, tok in enumerate(specials + sorted(set(CHARSET)))}
+    vocab = {tok: i for i, tok in enumerate(specials + sorted(set(CHARSET + JSON_CHARS)))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -81,7 +82,11 @@ def _chatml_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def _tokenizer(name: str):
-    tok = _chatml_tokenizer() if name == "smollm2-tools" else build_char_tokenizer()
+    tok = (
+        _chatml_tokenizer()
+        if name == "smollm2-tools"
+        else build_char_tokenizer(CHARSET + JSON_CHARS)
+    )
     tok.chat_template = (TEMPLATES / f"{name}.jinja").read_text()
     return tok
 
@@ -96,7 +101,9 @@ def _render(tok, messages, generation: bool, tools=None, template=None) -> str:
 
 
 @pytest.mark.parametrize(
-    ("name", "before"), [("tiny-chat", TINY_CHAT_BEFORE), ("smollm2-tools", SMOLLM2_OWN)]
+    ("name", "before"),
+    [("tiny-chat", TINY_CHAT_BEFORE), ("smollm2-tools", SMOLLM2_OWN)],
+    ids=["tiny-chat", "smollm2-tools"],
 )
 def test_without_tools_a_template_renders_as_before(name, before):
     tok = _tokenizer(name)
