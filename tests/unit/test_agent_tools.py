@@ -294,6 +294,10 @@ def test_tool_choice_required_opens_the_call_in_the_prompt_and_the_model_writes_
                 tool_choice=choice,
                 parallel_tool_calls=False,
             ).choices[0]
+        got_none = c.chat.completions.create(
+            model=model, messages=msgs, tools=[CALC], tool_choice="none"
+        ).choices[0]
+        got["none"] = (got_none.finish_reason, got_none.message.content)
         twice = [{"role": "user", "content": "twice"}]
         got["parallel"] = c.chat.completions.create(
             model=model, messages=twice, tools=[CALC], parallel_tool_calls=False
@@ -309,6 +313,8 @@ def test_tool_choice_required_opens_the_call_in_the_prompt_and_the_model_writes_
 
     engine = ReplyEngine(tok, reply)
     rows, _ = run(tok, agent, engine)
+    # tool_choice none: the tools are shown, the reply is not parsed
+    assert got.pop("none") == ("stop", tool_reply("3*4? 0"))
     for choice in got.values():
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         assert choice.message.tool_calls[0].function.name == "calc"
