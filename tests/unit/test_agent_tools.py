@@ -22,10 +22,10 @@ from relax_core.config import ConfigError, load_config, replace
 from relax_core.config.checks import TOOL_PARSERS
 from relax_core.models.tiny import CHARSET, build_char_tokenizer
 from relax_core.roles.agents import AgentRunner
+from relax_core.rollout.engine import SamplingParams
 from tests.agent_rows import sampled_runs
 from tests.unit.test_agent_endpoint import (
     CHAT,
-    PARAMS,
     ReplyEngine,
     assert_rows_hold_engine_tokens,
     items,
@@ -67,6 +67,7 @@ CALC = {
 }
 ARGS = '{"expr": "3*4"}'
 AGENT = str(Path(__file__).parents[2] / "configs" / "cpu-agent.yaml")
+PARAMS = SamplingParams(max_new_tokens=120)
 LIMITS = CallLimits(max_calls=4, max_episode_tokens=400, max_new_tokens=120, context=512)
 
 
@@ -92,12 +93,9 @@ def tool_reply(text: str) -> str:
 def run(tok, agent, engine, n_items=1, n_samples=1, limits=LIMITS):
     agents = AgentRunner(agent, tok, limits, 8, 30.0)
     try:
-        return agents.rollout(engine, items(tok, n_items), PARAMS_LONG, n_samples)
+        return agents.rollout(engine, items(tok, n_items), PARAMS, n_samples)
     finally:
         agents.close()
-
-
-PARAMS_LONG = type(PARAMS)(max_new_tokens=120)
 
 
 def client(base_url, api_key):
