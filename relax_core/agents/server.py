@@ -81,6 +81,12 @@ class EpisodeCalls:
     """Replies to calls with tools whose text held a call that is not a valid one."""
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 1024
+    """Connections waiting to be accepted: every running agent may connect at once (with the
+    stdlib's 5, some of 32 concurrent agents' connections went unanswered and were retried)."""
+
+
 class AgentEndpoint:
     """The HTTP endpoint: episodes are opened and closed by the rollout that owns them."""
 
@@ -92,7 +98,7 @@ class AgentEndpoint:
         self.token = secrets.token_urlsafe(24)
         self._episodes: dict[str, EpisodeCalls] = {}
         self._lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
+        self.httpd = _Server((host, port), _handler(self))
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(
             target=self.httpd.serve_forever, args=(0.1,), name="agent-endpoint", daemon=True
