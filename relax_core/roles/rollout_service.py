@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Any
 
+from relax_core.agents.failures import first_failure
 from relax_core.queue.pruning import summaries
 from relax_core.roles.rollout import informative_groups, rollout_groups
 from relax_core.roles.rollout_servers import own_server, served_engine
@@ -302,6 +303,8 @@ class DynamicSampling:
     def __init__(self, groups_per_step: int, max_sampling_rounds: int) -> None:
         self.groups_per_step, self.max_sampling_rounds = groups_per_step, max_sampling_rounds
         self.in_a_row = 0  # groups dropped since the last group kept
+        self.agent_error: str | None = None
+        """The first agent error of the latest draw whose every episode failed (agent runs)."""
         self._reset()
 
     def _reset(self) -> None:
@@ -323,8 +326,9 @@ class DynamicSampling:
                 self.carried[key] = self.carried.get(key, 0.0) + float(metrics[key])
         if not kept:
             self.in_a_row += len(dropped)
+            self.agent_error = first_failure(row.get("reward_info") for row in rows)
             return [], dropped, metrics
-        self.in_a_row = 0
+        self.in_a_row, self.agent_error = 0, None
         out = {
             **metrics,
             **self.carried,
@@ -343,4 +347,9 @@ class DynamicSampling:
                 f"rewards (limit: rollout.max_sampling_rounds {self.max_sampling_rounds} x "
                 f"rollout.groups_per_step {self.groups_per_step}); raise "
                 "rollout.max_sampling_rounds or check the reward (every sample scored the same)"
+                + (
+                    f"; every agent episode of the last draw failed, first: {self.agent_error}"
+                    if self.agent_error
+                    else ""
+                )
             )

@@ -131,3 +131,21 @@ def test_dynamic_sampling_keeps_differing_groups_carries_metrics_and_bounds_redr
         sampler.split(flat, {})
     with pytest.raises(RuntimeError, match=r"rollout\.max_sampling_rounds 2 x"):
         sampler.check()
+
+
+def test_an_async_agent_run_whose_episodes_all_fail_names_the_agent_error():
+    # Failed agent episodes score 0 alike, so dynamic sampling drops every group before the
+    # trainer could count them: the redraw bound's error must say why.
+    sampler = DynamicSampling(groups_per_step=1, max_sampling_rounds=2)
+    failed = _rows(["x"], 0, [0.0, 0.0])
+    for row in failed:
+        row["reward_info"] = {"end_reason": "agent_error", "agent_error": "BadRequestError: 400"}
+    for _ in range(2):
+        sampler.split(failed, {})
+    with pytest.raises(
+        RuntimeError,
+        match="every agent episode of the last draw failed, first: BadRequestError: 400",
+    ):
+        sampler.check()
+    sampler.split(_rows(["a"], 0), {})  # a kept group forgets it
+    assert sampler.agent_error is None
