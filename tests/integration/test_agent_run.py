@@ -1,7 +1,9 @@
 """An agent written against the `openai` client trains through the OpenAI-compatible endpoint in a
 colocate and an async run (every role an OS process): every call the agent made is in the queue's
 rows token for token (its prompt ids as context, its sampled ids under loss_mask 1), the trainer
-scores those tokens as the engine did, and MLflow has the agent metrics."""
+scores those tokens as the engine did, and MLflow has the agent metrics. In the async run every
+call streams and ends at stop strings: the rows hold what the engine sampled up to the token that
+completed the stop string, and the agent's text ends before it."""
 
 from __future__ import annotations
 
@@ -37,6 +39,9 @@ AGENT_RUN = {
     "rollout": {"n_samples_per_prompt": 2, "groups_per_step": 2, "max_new_tokens": 16},
     "train": {"total_steps": 2, "checkpoint_every": 2, "steps_per_node": 2},
 }
+# Characters the untrained tiny model writes often enough that many calls end on one, and a
+# two-character string.
+STOPS = ["e", "a", "1", "c("]
 
 
 def _history(workdir, run_id: str, key: str) -> list[tuple[int, float]]:
@@ -54,6 +59,8 @@ def test_an_openai_client_agent_trains_on_exactly_the_tokens_the_engine_sampled(
     cfg = small_config("g.yaml", run_name="g", mode=mode, **AGENT_RUN, **extra)
     log = workdir / "calls.jsonl"
     env = {**os.environ, "AGENT_CALL_LOG": str(log), "PYTHONPATH": REPO}
+    if mode == "async":
+        env["AGENT_STREAM_STOP"] = ",".join(STOPS)
     proc = subprocess.run(
         [sys.executable, "-m", "relax_core.entrypoints.run", "--cfg", cfg],
         capture_output=True,
@@ -71,8 +78,19 @@ def test_an_openai_client_agent_trains_on_exactly_the_tokens_the_engine_sampled(
     # Calls of trained steps are in the rows; eval episodes (greedy, never queued) are not.
     trained = [c for c in calls if any(_holds(r, c) for r in rows)]
     assert len(trained) == sum(r["turns"] for r in rows) and len(trained) >= 4
+    stopped = 0
     for call in calls:
-        assert tok.decode(call["sampled_ids"], skip_special_tokens=True) == call["text"]
+        sampled = tok.decode(call["sampled_ids"], skip_special_tokens=True)
+        if mode == "async" and sampled != call["text"]:
+            # Cut at a stop string: the agent got the text before it, the engine's tokens end
+            # with it, and nothing it sampled after it was kept.
+            assert call["finish_reason"] == "stop", call
+            assert sampled[len(call["text"]) :] in STOPS and sampled.startswith(call["text"])
+            assert call["sampled_ids"][-1] != tok.eos_token_id
+            stopped += 1
+        else:
+            assert sampled == call["text"]
+    assert stopped > 0 if mode == "async" else stopped == 0
     for row in rows:
         runs = sampled_runs(row)
         assert len(runs) == row["turns"]
