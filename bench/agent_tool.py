@@ -192,8 +192,14 @@ def main() -> None:
     os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})  # inherited by every run
     results = []
     for seed in (int(s) for s in args.seeds.split(",")):
-        with tempfile.TemporaryDirectory(prefix=f"bench-agent-tool-{seed}-", dir=args.keep) as work:
-            results.append(run_seed(work, seed, args.config))
+        prefix = f"bench-agent-tool-{seed}-"
+        if args.keep:  # the run directory (MLflow store, checkpoints, queue) stays for a look
+            results.append(
+                run_seed(tempfile.mkdtemp(prefix=prefix, dir=args.keep), seed, args.config)
+            )
+        else:
+            with tempfile.TemporaryDirectory(prefix=prefix) as work:
+                results.append(run_seed(work, seed, args.config))
         _report_seed(results[-1], args.band)
     _summary(args, results)
 
