@@ -28,6 +28,15 @@ def calculator(expression: str) -> str:
     return evaluate(expression)
 
 
+def _invalid_arguments(err: Exception) -> str:
+    return f"error: invalid arguments: {err}"
+
+
+# A call whose arguments do not fit the schema (a model learning the tool writes some) answers
+# the model with the error, as LangChain's ToolNode does, instead of raising out of the episode.
+calculator.handle_validation_error = _invalid_arguments
+
+
 def solve(
     sample: dict, *, base_url: str, api_key: str, model: str, streaming: bool = False
 ) -> dict:
@@ -54,7 +63,7 @@ def _result(messages: list, answer: str) -> dict:
     replies = [m for m in messages if isinstance(m, AIMessage)]
     calls = sum(len(m.tool_calls) + len(m.invalid_tool_calls) for m in replies)
     results = [m for m in messages if m.type == "tool"]
-    valid = sum(not str(m.content).startswith("error") for m in results)
+    valid = sum(m.status != "error" and not str(m.content).startswith("error") for m in results)
     found = ANSWER.search(replies[-1].text) if replies else None
     correct = found is not None and float(found.group(1)) == float(answer)
     info = {"tool_calls": calls, "tool_calls_valid": valid}

@@ -212,3 +212,13 @@ def test_a_smolagents_code_agent_runs_the_models_code_with_the_tool():
     # tool calls.
     calls = cut_at(engine.calls, "</code>")
     assert_episode_succeeded(rows, metrics, calls, turns=2, segments=1, tool_calls=2)
+
+
+def test_the_langchain_tool_answers_arguments_off_its_schema_with_an_error():
+    # A learning model writes some calls whose arguments do not fit the tool's schema: the
+    # episode goes on with the error as the tool's answer (counted invalid), not a crash that
+    # would cost the whole episode.
+    call = {"name": "calculator", "args": {"expression": {"type": "number"}}, "id": "call_1"}
+    message = langchain_agent.calculator.invoke({**call, "type": "tool_call"})
+    assert message.status == "error" and message.content.startswith("error: invalid arguments")
+    assert message.tool_call_id == "call_1"
