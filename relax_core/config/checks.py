@@ -89,11 +89,8 @@ def _check_env(e: list[str], cfg: RunSections) -> None:
                 "against an env or by your agent through the endpoint, not both"
             )
         positive(e, "env.agent_workers", v.agent_workers)
-        if v.tool_parser not in TOOL_PARSERS:
-            e.append(
-                f"env.tool_parser: unknown {v.tool_parser!r}; choose one of "
-                f"{', '.join(TOOL_PARSERS)} (the format the policy writes tool calls in)"
-            )
+        if v.tool_parser not in TOOL_PARSERS:  # the format the policy writes tool calls in
+            e.append(f"env.tool_parser: unknown {v.tool_parser!r}; choose one of {TOOL_PARSERS}")
         if not v.agent_timeout_s > 0:
             e.append(f"env.agent_timeout_s: must be > 0, got {v.agent_timeout_s}")
         positive(e, "env.max_failed_agent_steps", v.max_failed_agent_steps, allow_zero=True)

@@ -19,7 +19,6 @@ from relax_core.roles.torchrun import die_with_torchrun
 # (a start that timed out) must not live on without it.
 die_with_torchrun()
 
-from relax_core.agents.failures import AgentsFailed  # noqa: E402
 from relax_core.config import ConfigError  # noqa: E402
 from relax_core.queue import StorageUnavailable  # noqa: E402
 from relax_core.roles.service import ROLES, load_run_config, run_role  # noqa: E402
@@ -27,6 +26,7 @@ from relax_core.roles.trainer_ranks import follow_rank0  # noqa: E402
 from relax_core.run.role_services import serve_fn  # noqa: E402
 from relax_core.storage import is_committed  # noqa: E402
 from relax_core.train import preemption  # noqa: E402
+from relax_core.train.agent_failures import AgentsFailed  # noqa: E402
 from relax_core.train.checkpoint import STATE_FILE, local_checkpoint  # noqa: E402
 
 

@@ -7,12 +7,12 @@ import argparse
 import logging
 import sys
 
-from relax_core.agents.failures import AgentsFailed
 from relax_core.config import ConfigError, load_config
 from relax_core.queue import StorageUnavailable
 from relax_core.roles.stacks import dump_stacks_on_signal
 from relax_core.run.lifecycle import run
 from relax_core.train import preemption
+from relax_core.train.agent_failures import AgentsFailed
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -319,8 +319,7 @@ def flyte_plan(cfg: RunConfig, limits: Limits = STOCK) -> FlytePlan:
         if roles > limits.max_parallelism:
             problems.append(
                 f"services.rollout_workers: the run's {roles} role tasks must all run at once, "
-                f"over the max parallelism {limits.max_parallelism}; "
-                + PARALLELISM.format(n=roles)
+                f"over the max parallelism {limits.max_parallelism}; " + PARALLELISM.format(n=roles)
             )
     return FlytePlan(tuple(lines), tuple(problems), tuple(_notes(cfg)))
 

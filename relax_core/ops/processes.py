@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relax_core.config import RunConfig
+from relax_core.queue import StorageUnavailable
 from relax_core.roles.service import stage_chain
+from relax_core.train.agent_failures import AgentsFailed
 
 TAIL_LINES = 40
 
@@ -74,6 +76,31 @@ def log_tail(path: str) -> str:
             return "".join(f.readlines()[-TAIL_LINES:])
     except OSError:
         return "(no log)"
+
+
+def error_line(log_path: str) -> str:
+    """The last `error: ...` line a role printed to its log (what it stopped on), or ''."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(log_path) - 16384))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    found = [line for line in lines if line.startswith("error: ")]
+    return found[-1].removeprefix("error: ") if found else ""
+
+
+def raise_if_fatal(rp: RoleProcess, what: str) -> None:
+    """A role that exited with a code no restart can cure stops the run with its error: every
+    agent episode failed too long (AgentsFailed: restarting would train nothing again), or its
+    storage stayed unreachable (StorageUnavailable)."""
+    if rp.exit_code == AgentsFailed.exit_code:
+        raise AgentsFailed(error_line(rp.log_path) or f"{rp.name} {what}")
+    if rp.exit_code == StorageUnavailable.exit_code:
+        raise StorageUnavailable(
+            f"{rp.name} {what}: its storage stayed unreachable past "
+            f"storage.outage_limit_s (its log: {rp.log_path})"
+        )
 
 
 def give_up_message(

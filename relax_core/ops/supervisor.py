@@ -41,7 +41,6 @@ import sys
 import time
 from dataclasses import fields
 
-from relax_core.agents.failures import AgentsFailed
 from relax_core.config import RunConfig, config_to_dict
 from relax_core.ops.elastic import ElasticPool
 from relax_core.ops.notify import Notifier
@@ -49,6 +48,7 @@ from relax_core.ops.placement import Slot, env_for, preflight_gpus, visible_devi
 from relax_core.ops.processes import (
     RoleProcess,
     give_up_message,
+    raise_if_fatal,
     role_launcher,
     roles_of,
     send_signal,
@@ -366,13 +366,7 @@ class Supervisor:
         trainer_done_at: float | None = None
         while True:
             for rp, what in self._failures():
-                if rp.exit_code == AgentsFailed.exit_code:  # restarting it would fail again
-                    raise AgentsFailed(_error_line(rp.log_path) or f"{rp.name} {what}")
-                if rp.exit_code == StorageUnavailable.exit_code:
-                    raise StorageUnavailable(
-                        f"{rp.name} {what}: its storage stayed unreachable past "
-                        f"storage.outage_limit_s (its log: {rp.log_path})"
-                    )
+                raise_if_fatal(rp, what)
                 if trainer_done_at is None:
                     self._recover(rp, what)
                 else:  # the run is over; a service failing on its way out changes nothing
@@ -401,15 +395,3 @@ class Supervisor:
 def run_async_local(cfg: RunConfig, checkpoint: str) -> str:
     """Train from `checkpoint` to `train.total_steps` with every role its own process."""
     return Supervisor(cfg, checkpoint).run()
-
-
-def _error_line(log_path: str) -> str:
-    """The last `error: ...` line a role printed to its log (what it stopped on), or ''."""
-    try:
-        with open(log_path, "rb") as f:
-            f.seek(max(0, os.path.getsize(log_path) - 16384))
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return ""
-    found = [line for line in lines if line.startswith("error: ")]
-    return found[-1].removeprefix("error: ") if found else ""

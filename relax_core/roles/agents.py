@@ -33,13 +33,13 @@ from typing import Any
 
 from relax_core.agents.agent import AgentFn, AgentResult, call_agent, parse_result
 from relax_core.agents.batcher import EngineBatcher
-from relax_core.agents.failures import all_failed
 from relax_core.agents.recorder import Segment
 from relax_core.agents.server import SERVED_MODEL, AgentEndpoint, CallLimits, EpisodeCalls
 from relax_core.algorithms.dapo import overlong_penalty
 from relax_core.data.prompts import PromptItem, PromptSource
 from relax_core.roles.rollout import SEGMENT_SEP, group_columns, rollout_metrics
 from relax_core.rollout.engine import RolloutEngine, SamplingParams
+from relax_core.train.agent_failures import all_failed
 
 log = logging.getLogger(__name__)
 

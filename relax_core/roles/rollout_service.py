@@ -13,12 +13,12 @@ import logging
 import time
 from typing import Any
 
-from relax_core.agents.failures import first_failure
 from relax_core.queue.pruning import summaries
 from relax_core.roles.rollout import informative_groups, rollout_groups
 from relax_core.roles.rollout_servers import own_server, served_engine
 from relax_core.rollout.engine import SamplingParams
 from relax_core.storage import local_cache
+from relax_core.train.agent_failures import first_failure
 
 log = logging.getLogger(__name__)
 

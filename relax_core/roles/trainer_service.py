@@ -23,7 +23,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from relax_core.agents.failures import count_failed_step, failed_step_error
 from relax_core.queue import (
     split_over_stale,
     staleness_histogram,
@@ -38,6 +37,7 @@ from relax_core.roles.trainer import train_on_table
 from relax_core.storage import join, local_cache, write_json
 from relax_core.train import checkpoint as ckpt
 from relax_core.train import preemption
+from relax_core.train.agent_failures import count_failed_step, failed_step_error
 from relax_core.train.checkpoint import FINAL_CHECKPOINT
 from relax_core.train.run_state import RunState
 

@@ -25,7 +25,6 @@ import time
 
 import pyarrow as pa
 
-from relax_core.agents.failures import count_failed_step, first_failure
 from relax_core.queue import ROW_SCHEMA, rows_to_table
 from relax_core.roles.advantages import advantages_of
 from relax_core.roles.episodes import response_budget
@@ -35,6 +34,7 @@ from relax_core.roles.rollout import informative_groups, rollout_groups, rollout
 from relax_core.roles.trainer import train_on_table
 from relax_core.rollout.engine import SamplingParams
 from relax_core.run.session import RunSession
+from relax_core.train.agent_failures import count_failed_step, first_failure
 
 log = logging.getLogger(__name__)
 

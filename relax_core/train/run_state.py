@@ -33,7 +33,7 @@ class RunState:
     group ids already trained of entries a step batch split."""
     rng: dict[str, Any] = field(default_factory=dict)
     failed_agent_steps: int = 0
-    """Steps in a row whose every agent episode failed (agents/failures.py)."""
+    """Steps in a row whose every agent episode failed (train/agent_failures.py)."""
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> RunState:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from relax_core.agents.failures import AgentsFailed
+from relax_core.train.agent_failures import AgentsFailed
 from relax_core.train.checkpoint import find_resume_checkpoint, read_state
 
 pytestmark = pytest.mark.integration

@@ -168,15 +168,23 @@ def update_in_flight(served, mode: str, sender_class=VLLMSender):
     old, new = served["model"], policy(served["version"] + 21)
     prompts = [[1, 4 + k % 40, 5 + k % 30, 6] for k in range(32)]
     box: dict = {}
-    gen = threading.Thread(
-        target=lambda: box.update(out=engine.generate(prompts, SamplingParams(max_new_tokens=240)))
-    )
+
+    def generate() -> None:
+        try:
+            box["out"] = engine.generate(prompts, SamplingParams(max_new_tokens=240))
+        except BaseException as err:  # noqa: BLE001 - shown by the assertion below
+            box["error"] = err
+
+    gen = threading.Thread(target=generate)
 
     def in_flight() -> None:  # the group is formed: what follows the wait is the pause
         gen.start()
         deadline = time.monotonic() + 60
         while running_requests(served["client"].url) < 4:
-            assert time.monotonic() < deadline and gen.is_alive(), "no requests ran"
+            assert time.monotonic() < deadline and gen.is_alive(), (
+                f"no requests ran; the generation ended with {box.get('error')!r}, "
+                f"{len(box.get('out') or [])} samples"
+            )
             time.sleep(0.01)
 
     version = push(served, new, mode, sender_class, ready=in_flight)

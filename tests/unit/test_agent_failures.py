@@ -11,12 +11,6 @@ from pathlib import Path
 import openai
 import pytest
 
-from relax_core.agents.failures import (
-    AgentsFailed,
-    count_failed_step,
-    failed_step_error,
-    first_failure,
-)
 from relax_core.agents.server import CallLimits
 from relax_core.config import ConfigError, load_config, replace
 from relax_core.data.prompts import PromptItem
@@ -25,6 +19,12 @@ from relax_core.queue import rows_to_table
 from relax_core.roles.agents import AgentRunner
 from relax_core.roles.episodes import env_runner
 from relax_core.rollout.engine import Completion, SamplingParams
+from relax_core.train.agent_failures import (
+    AgentsFailed,
+    count_failed_step,
+    failed_step_error,
+    first_failure,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
