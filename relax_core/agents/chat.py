@@ -181,10 +181,12 @@ class PromptRenderer:
         """The template's end-of-turn text (the tokenizer's EOS), None when it has none."""
         return getattr(self.tokenizer, "eos_token", None) or None
 
-    def stop_cut(self, sampled: Sequence[int], stops: Sequence[str]) -> tuple[int, str] | None:
+    def stop_cut(
+        self, sampled: Sequence[int], full: str, stops: Sequence[str]
+    ) -> tuple[int, str] | None:
         """(k, text): the first `k` sampled ids are the fewest whose text holds a stop string;
-        `text` is their text before the first stop string. None when no stop string occurs."""
-        full = self.text(sampled)
+        `text` is their text before the first stop string. None when no stop string occurs.
+        `full` is the text of all of `sampled`."""
         if not stops or not any(s in full for s in stops):
             return None
         lo, hi = 1, len(sampled)  # the text of a longer prefix extends a shorter one's

@@ -143,15 +143,15 @@ class AgentEndpoint:
         high = comp.policy_version if comp.policy_version_max is None else comp.policy_version_max
         sampled, logprobs, finish = list(comp.response_ids), list(comp.logprobs), comp.finish_reason
         reopen = "" if finish == "stop" else None
-        cut = self.renderer.stop_cut(sampled, req.stop)
+        full = text = self.renderer.text(sampled)
+        cut = self.renderer.stop_cut(sampled, full, req.stop)
         if cut is not None:
             # The row keeps the ids up to the one that completed the stop string; the template's
             # end-of-turn comes in as observation tokens on the next call.
             k, text = cut
             sampled, logprobs, finish = sampled[:k], logprobs[:k], "stop"
+            full = self.renderer.text(sampled)
             reopen = self.renderer.end_of_turn()
-        else:
-            text = self.renderer.text(sampled)
         call = Call(prompt_ids, sampled, logprobs, finish, comp.policy_version, high)
         parsed = self._reply(req, rendered.opening + text)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
@@ -162,7 +162,6 @@ class AgentEndpoint:
             if ep.closed:
                 raise RequestError("this episode has ended", status=410)
             ep.trajectory.add(call)
-            full = self.renderer.text(sampled)
             remember(ep.conversation, req, prompt_ids, sampled, full, message, reopen)
             ep.sampling_overrides += req.sampling_asked
             ep.tool_parse_errors += parsed.errors
