@@ -143,10 +143,13 @@ server=$!
 # primary and signals this shell (USR1) when it is gone.
 trap 'on_signal "$why" 0' USR1
 why="the rollout service is gone"
+# The watcher also ends when the server is gone: the TERM this shell sends it then can land before
+# the subshell has set its trap, and dash drops a signal caught in that window.
 (
     nap=""
     trap 'kill $nap 2>/dev/null || true; exit 0' TERM
     until primary_gone; do
+        kill -0 "$server" 2>/dev/null || exit 0
         pause
     done
     say "$why"
