@@ -256,11 +256,11 @@ def test_colocate_run_in_pods_survives_a_killed_rl_steps_pod(
 ) -> None:
     from workflows.train import train
 
-    total = 30
+    total = 20  # two rl_steps nodes; the first is killed after its checkpoint at 5
     cfg = _config(
         cluster,
         "cpu-default.yaml",
-        train={"total_steps": total, "steps_per_node": 15, "checkpoint_every": 5, "eval_every": 0},
+        train={"total_steps": total, "steps_per_node": 10, "checkpoint_every": 5, "eval_every": 0},
     )
     root = cluster.storage_root(ROOT_PREFIX)
     # The CPU default's warm start, prepared once for the whole suite (tests/policies.py), is in
@@ -319,7 +319,7 @@ def test_async_tasks_run_in_pods_survives_a_killed_trainer_and_audits_clean(
 ) -> None:
     from workflows.train import train
 
-    total, groups = 10, 32  # killed after its checkpoint at 5, the rerun trains 6-10
+    total, groups = 10, 16  # killed after its checkpoint at 5, the rerun trains 6-10
     cfg = _config(
         cluster,
         "cpu-async.yaml",
