@@ -23,36 +23,12 @@ import os
 from flytekit import CronSchedule, LaunchPlan
 from flytekit.models.common import RawOutputDataConfig
 
-from relax_core.config import RunConfig, load_config, replace
-from tasks.resources import CONFIG_ENV, registration_config
+from workflows.nightly import NIGHTLY_CRON, nightly_config  # noqa: F401 - NIGHTLY_CRON re-exported
 from workflows.train import train
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NIGHTLY_CRON = "0 2 * * *"
-NIGHTLY_MODEL = "relax-cpu-default"
 RAW_DATA_PREFIX = os.environ.get("RELAX_RAW_DATA_PREFIX", "s3://my-flyte-bucket/relax/raw")
 """Where the executions of the launch plan keep Flyte's offloaded data (the bucket of
 flyte.config); set RELAX_RAW_DATA_PREFIX when registering to use another."""
-
-
-def nightly_base() -> RunConfig:
-    """The registration config when $RELAX_CONFIG names one, else the CPU default."""
-    if os.environ.get(CONFIG_ENV):
-        return registration_config()
-    return load_config(os.path.join(REPO, "configs", "cpu-default.yaml"))
-
-
-def nightly_config() -> RunConfig:
-    """The base's RL recipe, from the newest registered policy, registering the next, with the
-    base's storage, tracking server and cluster settings."""
-    return replace(
-        nightly_base(),
-        run_name="nightly-grpo",
-        model={"kind": "pretrained", "source": f"models:/{NIGHTLY_MODEL}/latest"},
-        warm_start={"steps": 0},
-        tracking={"experiment": "relax-nightly", "registered_model": NIGHTLY_MODEL},
-    )
-
 
 nightly_grpo = LaunchPlan.get_or_create(
     workflow=train,
