@@ -20,8 +20,9 @@ import pytest
 import yaml
 
 from relax_core.config import RunConfig, config_to_dict, load_config, replace
+from tests.needs import module
 
-flyte = pytest.importorskip("flyte", reason="the `flyte2` extra: pip install -e '.[flyte2]'")
+flyte = module("flyte", "pip install -e '.[flyte2]' (the `flyte2` extra)")
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(REPO, "configs")
