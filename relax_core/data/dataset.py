@@ -17,8 +17,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-import fsspec
-
+from relax_core.config.filesystems import open_url, url_to_fs
 from relax_core.multimodal.media import KINDS as MEDIA_KINDS
 from relax_core.multimodal.media import resolve_uri
 
@@ -52,7 +51,7 @@ def check_dataset_path(path: str) -> None:
     if not isinstance(path, str) or not path:
         raise DatasetError(f"dataset path must be a non-empty string, got {path!r}")
     _extension(path)
-    fs, fs_path = fsspec.core.url_to_fs(path)
+    fs, fs_path = url_to_fs(path)
     if not fs.isfile(fs_path):
         where = f" (relative to the working directory {os.getcwd()})"
         hint = ""
@@ -147,7 +146,7 @@ def validate_row(raw: Any, where: str) -> dict:
 
 
 def _jsonl_records(path: str) -> Iterator[tuple[str, Any]]:
-    with fsspec.open(path, "rt", encoding="utf-8") as f:
+    with open_url(path, "rt", encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -163,7 +162,7 @@ def _parquet_records(path: str) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq
 
     try:
-        with fsspec.open(path, "rb") as f:
+        with open_url(path, "rb") as f:
             table = pq.read_table(f)
     except (pa.ArrowInvalid, OSError) as exc:
         raise DatasetError(f"{path}: not a readable Parquet file: {exc}") from None
@@ -194,7 +193,7 @@ def load_prompts(path: str) -> list[dict]:
 def fingerprint(path: str) -> str:
     """sha256 of the file's bytes: changes whenever the dataset does (a cache key for warm starts)."""
     digest = hashlib.sha256()
-    with fsspec.open(path, "rb") as f:
+    with open_url(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()

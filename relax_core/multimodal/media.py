@@ -85,7 +85,7 @@ def read_bytes(
     storage_options: Mapping[str, Any] | None = None,
 ) -> bytes:
     """The item's bytes: inline, or read through fsspec after checking the object's size."""
-    import fsspec
+    from relax_core.config.filesystems import url_to_fs
 
     check_item(item)
     if item.get("bytes"):
@@ -97,7 +97,7 @@ def read_bytes(
         return data
     uri = resolve_uri(str(item["uri"]), base_dir)
     try:
-        fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
+        fs, path = url_to_fs(uri, **dict(storage_options or {}))
         size = fs.size(path)
         if size is not None and size > limits.max_bytes:
             raise MediaError(item, f"{size} bytes, over the limit of {limits.max_bytes}")
@@ -241,10 +241,10 @@ def decode_frame_folder(
     storage_options: Mapping[str, Any] | None = None,
 ) -> np.ndarray:
     """A video given as a folder of frame images (sorted by name, `source_fps` apart)."""
-    import fsspec
+    from relax_core.config.filesystems import url_to_fs
 
     item = item or {"kind": "video", "uri": folder}
-    fs, path = fsspec.core.url_to_fs(folder, **dict(storage_options or {}))
+    fs, path = url_to_fs(folder, **dict(storage_options or {}))
     try:
         names = sorted(p for p in fs.ls(path, detail=False) if p.lower().endswith(_FRAME_SUFFIXES))
     except FileNotFoundError:

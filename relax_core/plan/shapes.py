@@ -19,10 +19,9 @@ import logging
 import os
 from dataclasses import dataclass
 
-import fsspec
-
 from relax_core.config import ModelConfig
 from relax_core.config.checks_source import is_url_source, source_name
+from relax_core.config.filesystems import open_url
 from relax_core.config.services import s3_options
 
 log = logging.getLogger(__name__)
@@ -160,7 +159,7 @@ def _remote_shape(url: str, endpoint_url: str) -> Shape | None:
     """The shape in the config.json at `url`, None when it cannot be read."""
     options = s3_options(url, endpoint_url) if url.startswith(("s3://", "s3a://")) else {}
     try:
-        with fsspec.open(f"{url}/config.json", "rb", **options) as f:
+        with open_url(f"{url}/config.json", "rb", **options) as f:
             return shape_from_hf(json.loads(f.read(1 << 20)))
     except Exception as exc:  # noqa: BLE001 - any failure leaves the plan without this shape
         log.info("memory plan: no shape from %s/config.json (%s)", url, exc)

@@ -20,9 +20,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from relax_core.config.filesystems import url_to_fs
 from relax_core.queue.errors import StorageError, StorageUnavailable, is_precondition_failed
 from relax_core.queue.retry import (
     OUTAGE_NOTICE_S,
@@ -55,7 +55,7 @@ class ObjectStore:
         process (the page cache outlives it) but not of the machine."""
         if not root:
             raise ValueError("storage root is empty; give a directory or a URL such as s3://b/p")
-        self.fs, self.root = fsspec.core.url_to_fs(root, **(storage_options or {}))
+        self.fs, self.root = url_to_fs(root, **(storage_options or {}))
         self.root = self.root.rstrip("/") or "/"
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.durable = durable

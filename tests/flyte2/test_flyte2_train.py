@@ -180,3 +180,25 @@ def test_the_nightly_trigger_runs_the_nightly_recipe_on_its_cron():
     baked = RunConfig.from_json(NIGHTLY.inputs["cfg"])
     assert baked == nightly_config()
     assert baked.model.source == "models:/relax-cpu-default/latest"
+
+
+def test_a_runs_s3_storage_works_in_a_process_that_imported_flyte(moto_s3, workdir):
+    """Importing flyte replaces fsspec's s3 implementation process-wide with obstore's, which
+    refuses s3fs's options (`key`, `client_kwargs`) and the "xb" mode queue commits use; the
+    run's storage keeps s3fs whatever was registered, so checkpoints, the queue and datasets on
+    S3 work inside a Flyte 2 task."""
+    import fsspec
+
+    module("flyte.storage", "pip install -e '.[flyte2]'")  # what a Flyte 2 task's I/O loads
+    from relax_core.config.filesystems import open_url
+    from relax_core.queue.store import ObjectStore
+
+    assert fsspec.get_filesystem_class("s3").__name__.startswith("FsspecStore")  # obstore's
+    root = f"s3://{moto_s3.bucket}/flyte2-{os.getpid()}"
+    store = ObjectStore(root, moto_s3.storage_options())
+    assert type(store.fs).__name__ == "S3FileSystem"
+    assert store.create_if_absent("queue/commit-1", b"one")  # the "xb" create
+    assert not store.create_if_absent("queue/commit-1", b"two")
+    assert store.read_bytes("queue/commit-1") == b"one"
+    with open_url(f"{root}/queue/commit-1", "rb", **moto_s3.storage_options()) as f:
+        assert f.read() == b"one"  # what datasets and model configs are read with
