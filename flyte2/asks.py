@@ -20,7 +20,7 @@ from flyte import Device
 
 from relax_core.config import RunConfig
 from relax_core.ops import asks
-from tasks.pods import SIDECAR, model_pod, sglang_rollout_pod
+from tasks.pods import SIDECAR, model_pod, sidecar_pod
 
 IMAGE_ENV = {
     "default": "RELAX_IMAGE",
@@ -51,14 +51,7 @@ def pod_template(a: asks.Ask) -> flyte.PodTemplate | None:
     """The pod of tasks/pods.py (shared memory, API key, preemption grace, SGLang sidecar), its
     containers' images the deployed URIs rather than flytekit's image templates."""
     if a.sidecar is not None:
-        s = a.sidecar
-        pod = sglang_rollout_pod(
-            list(s.args),
-            s.gpus,
-            {"cpu": str(s.cpu), "memory": f"{s.memory_gib}Gi"},
-            {"cpu": str(s.cpu_limit), "memory": f"{s.memory_limit_gib}Gi"},
-            a.api_key_secret,
-        )
+        pod = sidecar_pod(a)
         for container in pod.pod_spec.containers:
             if container.name == SIDECAR:
                 container.image = image_uri("rollout")

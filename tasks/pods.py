@@ -52,6 +52,7 @@ from kubernetes.client import (
     V1VolumeMount,
 )
 
+from relax_core.ops.asks import Ask
 from relax_core.rollout.sglang_engine import API_KEY_ENV
 
 TRAINER_IMAGE = "{{.image.trainer.fqn}}:{{.image.trainer.version}}"
@@ -118,6 +119,21 @@ def model_pod(
         termination_grace_period_seconds=int(grace_s) if grace_s else None,
     )
     return PodTemplate(primary_container_name=PRIMARY, pod_spec=spec)
+
+
+def sidecar_pod(a: Ask) -> PodTemplate:
+    """The rollout pod for a task's ask (relax_core/ops/asks.py) that carries an SGLang sidecar:
+    sglang_rollout_pod with the sidecar's flags, GPUs, requests, limits and API key secret."""
+    s = a.sidecar
+    if s is None:
+        raise ValueError("sidecar_pod: the task's ask has no SGLang sidecar")
+    return sglang_rollout_pod(
+        list(s.args),
+        s.gpus,
+        {"cpu": str(s.cpu), "memory": f"{s.memory_gib}Gi"},
+        {"cpu": str(s.cpu_limit), "memory": f"{s.memory_limit_gib}Gi"},
+        a.api_key_secret,
+    )
 
 
 def sglang_rollout_pod(

@@ -26,7 +26,7 @@ from flytekit.extras.accelerators import GPUAccelerator
 from relax_core.config import RunConfig, load_config
 from relax_core.ops import asks
 from relax_core.ops.asks import LIGHT, TASKS, engine_served, gpus  # noqa: F401 - re-exported
-from tasks.pods import ROLLOUT_IMAGE, TRAINER_IMAGE, model_pod, sglang_rollout_pod
+from tasks.pods import ROLLOUT_IMAGE, TRAINER_IMAGE, model_pod, sidecar_pod
 
 CONFIG_ENV = "RELAX_CONFIG"
 IMAGE_OF = {"default": None, "trainer": TRAINER_IMAGE, "rollout": ROLLOUT_IMAGE}
@@ -98,14 +98,7 @@ def flyte_ask(a: asks.Ask) -> Ask:
     requests = _resources(a.cpu, a.memory_gib, a.gpus)
     limits = _resources(a.cpu_limit, a.memory_limit_gib, a.gpus)
     if a.sidecar is not None:
-        s = a.sidecar
-        pod = sglang_rollout_pod(
-            list(s.args),
-            s.gpus,
-            {"cpu": str(s.cpu), "memory": f"{s.memory_gib}Gi"},
-            {"cpu": str(s.cpu_limit), "memory": f"{s.memory_limit_gib}Gi"},
-            a.api_key_secret,
-        )
+        pod = sidecar_pod(a)
         return Ask(requests, limits, accelerator, None, pod, **timing)
     image = IMAGE_OF[a.image]
     pod = None
