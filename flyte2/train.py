@@ -173,22 +173,16 @@ def _task(cfg: RunConfig, name: str, task, remaining: int | None = None, timeout
     return task.override(**call_overrides(cfg, name, remaining, timeout_s))
 
 
-def _trained(cfg: RunConfig, checkpoint: str) -> int:
-    from relax_core.train.checkpoint import read_state
-
-    return int(read_state(checkpoint, cfg.storage.options())["policy_version"])
-
-
 async def run_steps(cfg: RunConfig, cfg_json: str, checkpoint: str) -> str:
     """The steps of the run from `checkpoint` (a new run's version 0, or the one resumed)."""
-    left = asks.remaining_steps(cfg, _trained(cfg, checkpoint))
+    version = bodies.trained(cfg, checkpoint)
+    left = asks.remaining_steps(cfg, version)
     execution = bodies.execution_of(cfg)
     if execution == "colocate":
         step = _task(cfg, "rl_steps", rl_steps)
-        version = _trained(cfg, checkpoint)
         while version < cfg.train.total_steps:
             checkpoint = await step.aio(cfg_json, checkpoint)
-            before, version = version, _trained(cfg, checkpoint)
+            before, version = version, bodies.trained(cfg, checkpoint)
             if version <= before:  # a call that trains nothing would loop forever
                 raise RuntimeError(f"rl_steps from {checkpoint} trained no step (v{version})")
         return checkpoint

@@ -52,6 +52,13 @@ def execution_of(cfg: RunConfig) -> str:
     return "colocate" if cfg.mode == "colocate" else f"async-{cfg.services.launch}"
 
 
+def trained(cfg: RunConfig, checkpoint: str) -> int:
+    """The steps the run of `checkpoint` has trained (read from the run's storage)."""
+    from relax_core.train.checkpoint import read_state
+
+    return int(read_state(checkpoint, cfg.storage.options())["policy_version"])
+
+
 def config_of(cfg_json: str) -> RunConfig:
     return RunConfig.from_json(cfg_json)
 

@@ -28,7 +28,7 @@ from flytekit import dynamic, workflow
 
 from relax_core.config import RunConfig
 from relax_core.ops.asks import loop_shape, remaining_steps, role_tasks, segment_timeout_s
-from relax_core.train.checkpoint import read_state
+from tasks.bodies import trained
 from tasks.resources import node_overrides, registered
 from tasks.rl import (
     RunSummary,
@@ -56,11 +56,6 @@ ROLE_TASKS = {
     "advantages_service": advantages_service,
     "trainer_service": trainer_service,
 }
-
-
-def trained(cfg: RunConfig, checkpoint: str) -> int:
-    """The steps the run of `checkpoint` has trained (read from the run's storage)."""
-    return int(read_state(checkpoint, cfg.storage.options())["policy_version"])
 
 
 @dynamic(**registered("rl_segment"))
